@@ -1,0 +1,31 @@
+"""eventbus: typed events from PyTorch training loops onto a non-blocking bus.
+
+Publishing costs about a microsecond, never synchronises the device, never waits for a slow
+subscriber, and loses nothing a lossless subscriber was promised.
+"""
+
+from eventbus._globals import get_bus, register_global, set_bus
+from eventbus.bus import EventBus, Subscription
+from eventbus.codec import EventDecodeError, EventEncodeError
+from eventbus.control import AbortRequested, Control
+from eventbus.events import Event
+from eventbus.stats import BusStats, SubscriberStats
+from eventbus.subscriber import Subscriber
+
+__all__ = [
+    "AbortRequested",
+    "BusStats",
+    "Control",
+    "Event",
+    "EventBus",
+    "EventDecodeError",
+    "EventEncodeError",
+    "Subscriber",
+    "SubscriberStats",
+    "Subscription",
+    "get_bus",
+    "register_global",
+    "set_bus",
+]
+
+__version__ = "0.1.0"

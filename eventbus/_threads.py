@@ -1,0 +1,62 @@
+"""A daemon thread per sync subscriber: sync code runs off the event loop, in order.
+
+Our own daemon threads rather than a pool: a hung sync subscriber can then be abandoned at
+close and never keeps the interpreter from exiting, and each subscriber's calls stay in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["ThreadWorker"]
+
+
+def _settle(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
+    if fut.done():  # the awaiting task was cancelled (close deadline): drop the result
+        return
+    if ok:
+        fut.set_result(value)
+    else:
+        fut.set_exception(value)
+
+
+class ThreadWorker:
+    """Runs calls one at a time in a daemon thread; `await worker.call(fn, *args)`."""
+
+    def __init__(self, name: str) -> None:
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"eventbus-{name}", daemon=True)
+        self._started = False
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if not self._started:
+            self._started = True
+            self._thread.start()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._q.put((fn, args, loop, fut))
+        return await fut
+
+    def stop(self) -> None:
+        """Let the thread end after the call in hand (a hung one is simply abandoned)."""
+        if self._started:
+            self._q.put(None)
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fn, args, loop, fut = item
+            try:
+                ok, value = True, fn(*args)
+            except BaseException as e:  # handed to the awaiting task, which counts it
+                ok, value = False, e
+            try:
+                loop.call_soon_threadsafe(_settle, fut, ok, value)
+            except RuntimeError:  # the loop is gone: the bus closed without us
+                return

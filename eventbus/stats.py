@@ -1,0 +1,62 @@
+"""What `bus.stats()` returns: every counter a user needs to trust the bus."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["BusStats", "SubscriberStats"]
+
+
+@dataclass(frozen=True, slots=True)
+class SubscriberStats:
+    """Counters of one subscriber.
+
+    published == delivered + failed + dropped + queued (+ the batch in flight).
+    """
+
+    name: str
+    policy: str
+    state: str  # "pending", "running", "disabled", "hung", "removed" or "closed"
+    published: int  # events routed to this subscriber
+    delivered: int  # events it handled without raising
+    dropped: int  # events discarded: overflow policy, a full inbox, disabled, or lost at close
+    failed: int  # events whose handling raised
+    queued: int  # events waiting in its queue now
+    queue_high_water: int  # the most events its queue ever held
+    latency_p50_ms: float | None  # publish -> start of delivery, over recent batches
+    latency_p99_ms: float | None
+    latency_max_ms: float | None
+    error: str | None = None  # the last exception, as "Type: message"
+
+
+@dataclass(frozen=True, slots=True)
+class BusStats:
+    """Bus-wide counters plus one `SubscriberStats` per subscriber, by name."""
+
+    published: int  # events accepted by publish()
+    rejected: int  # events published after close or in a forked child (not delivered)
+    inbox_size: int  # events waiting to be routed now
+    inbox_high_water: int  # the most events the inbox held when the router drained it
+    blocked_s: float  # seconds publishers spent waiting on a lossless subscriber (backpressure)
+    wakeups: int  # times the bus thread was woken early because the inbox neared its bound
+    subscribers: dict[str, SubscriberStats] = field(default_factory=dict)
+    hung: tuple[str, ...] = ()  # subscribers abandoned at close because they did not return
+
+    def __getitem__(self, name: str) -> SubscriberStats:
+        return self.subscribers[name]
+
+    @property
+    def dropped(self) -> int:
+        """Events dropped, summed over subscribers."""
+        return sum(s.dropped for s in self.subscribers.values())
+
+    @property
+    def failed(self) -> int:
+        """Events whose handling raised, summed over subscribers."""
+        return sum(s.failed for s in self.subscribers.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dicts and lists, ready for JSON."""
+        return dataclasses.asdict(self)

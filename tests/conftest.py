@@ -1,0 +1,38 @@
+"""Shared fixtures: a started bus that is always closed, and a recording subscriber."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from eventbus import Event, EventBus
+
+
+class Recorder:
+    """A lossless async subscriber that keeps every event it receives."""
+
+    policy = "block"
+
+    def __init__(self, events: Any = None) -> None:
+        self.got: list[Event] = []
+        if events is not None:
+            self.events = events
+
+    async def on_events(self, batch: list[Event]) -> None:
+        self.got.extend(batch)
+
+
+@pytest.fixture
+def bus() -> Iterator[EventBus]:
+    b = EventBus(drain_interval=0.002, close_timeout=10)
+    try:
+        yield b
+    finally:
+        b.close(timeout=5)
+
+
+@pytest.fixture
+def recorder() -> Recorder:
+    return Recorder()

@@ -1,0 +1,426 @@
+"""The core promises: order, counts, isolation, hung subscribers, lifecycle, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import pytest
+import structlog
+
+from eventbus import Event, EventBus
+from eventbus.events import Loss, Scalars, StepEnded, StopRequested
+from tests.conftest import Recorder
+
+
+def test_publish_stamps_seq_ts_rank(bus: EventBus, recorder: Recorder) -> None:
+    bus.subscribe(recorder)
+    with bus:
+        before = time.time_ns()
+        bus.publish(Loss(step=1, value=1.0))
+        bus.publish(Loss(step=2, value=1.0, ts=42))
+    ev1, ev2 = recorder.got
+    assert ev1.seq is not None and ev2.seq == ev1.seq + 1
+    assert ev1.ts is not None and ev1.ts >= before
+    assert ev2.ts == 42  # an explicit timestamp is kept
+    assert ev1.rank == ev2.rank == 0
+
+
+def test_million_events_lossless_in_order_to_a_slower_subscriber() -> None:
+    class Slow:
+        policy = "block"
+        maxsize = 1000
+
+        def __init__(self) -> None:
+            self.seqs: list[int] = []
+
+        async def on_events(self, batch: list[Event]) -> None:
+            self.seqs.extend(ev.seq for ev in batch)  # type: ignore[misc]
+            await asyncio.sleep(0.0005)  # slower than the publisher
+
+    n = 1_000_000
+    slow = Slow()
+    bus = EventBus(inbox_maxsize=4096)
+    bus.subscribe(slow, max_batch=256)
+    with bus:
+        for i in range(n):
+            bus.publish(StepEnded(step=i))
+    st = bus.stats()
+    assert len(slow.seqs) == n
+    assert slow.seqs == list(range(slow.seqs[0], slow.seqs[0] + n))  # contiguous, in order
+    assert st["Slow"].delivered == st["Slow"].published == n
+    assert st["Slow"].dropped == 0
+    assert st.blocked_s > 0  # it really was slower: the publisher felt backpressure
+
+
+@pytest.mark.parametrize("policy", ["drop_oldest", "drop_newest", "latest"])
+def test_drop_policies_count_every_event(policy: str) -> None:
+    seen: list[Event] = []
+    gate = threading.Event()
+
+    def slow(ev: Event) -> None:
+        gate.wait(5)
+        seen.append(ev)
+
+    bus = EventBus()
+    h = bus.subscribe(slow, policy=policy, maxsize=50)
+    with bus:
+        for i in range(5000):
+            bus.publish(Loss(step=i, value=float(i)))
+        bus.flush(0.5)  # lets the router fill the queue while the subscriber is stuck
+        gate.set()
+    st = h.stats()
+    assert st is not None
+    assert st.published == 5000
+    assert st.delivered + st.dropped == st.published
+    assert st.dropped > 0
+    assert len(seen) == st.delivered
+    steps = [ev.step for ev in seen]
+    assert steps == sorted(steps)  # FIFO among the survivors
+    if policy == "drop_newest":
+        assert 0 in steps and 4999 not in steps
+    else:
+        assert steps[-1] == 4999  # the newest survives
+
+
+def test_latest_keeps_newest_per_key() -> None:
+    seen: list[Scalars] = []
+    gate = threading.Event()
+
+    def slow(ev: Any) -> None:
+        gate.wait(5)
+        seen.append(ev)
+
+    bus = EventBus()
+    bus.subscribe(slow, policy="latest", maxsize=10, key=lambda ev: ev.values["k"],
+                  events=[Scalars])
+    with bus:
+        bus.publish(Scalars(step=0, values={"k": "blocker"}))
+        bus.flush(0.3)  # the subscriber now holds "blocker" and waits on the gate
+        for i in range(1, 301):
+            bus.publish(Scalars(step=i, values={"k": f"key{i % 3}", "i": i}))
+        bus.flush(0.3)
+        gate.set()
+    rest = seen[1:]
+    assert sorted(ev.values["k"] for ev in rest) == ["key0", "key1", "key2"]
+    assert {ev.values["k"]: ev.values["i"] for ev in rest} == {"key0": 300, "key1": 298,
+                                                                "key2": 299}
+
+
+def test_raising_subscriber_is_isolated_and_counted() -> None:
+    good = Recorder()
+
+    def flaky(ev: Event) -> None:
+        if ev.step is not None and ev.step % 10 == 9:
+            raise ValueError(f"bad step {ev.step}")
+
+    bus = EventBus()
+    bus.subscribe(good)
+    h = bus.subscribe(flaky, policy="block")
+    with structlog.testing.capture_logs() as logs, bus:
+        for i in range(1000):
+            bus.publish(Loss(step=i, value=1.0))  # never raises
+    st = h.stats()
+    assert st is not None
+    assert st.failed == 100 and st.delivered == 900 and st.state == "closed"
+    assert len(good.got) == 1000
+    failures = [e for e in logs if e["event"] == "subscriber failed"]
+    assert failures and failures[0]["event_type"] == "Loss"
+    assert failures[0]["subscriber"] == "test_raising_subscriber_is_isolated_and_counted.<locals>.flaky"
+    assert len(failures) < 10  # rate-limited, not one line per failure
+
+
+def test_always_failing_subscriber_is_disabled_and_reported() -> None:
+    class Broken:
+        async def on_events(self, batch: list[Event]) -> None:
+            raise RuntimeError("boom")
+
+    bus = EventBus(max_consecutive_failures=3)
+    h = bus.subscribe(Broken(), max_batch=1, policy="block")
+    with structlog.testing.capture_logs() as logs, bus:
+        for i in range(20):
+            bus.publish(Loss(step=i, value=1.0))
+            bus.flush(1)
+    st = h.stats()
+    assert st is not None
+    assert st.state in ("disabled", "closed") and st.failed == 3
+    assert st.failed + st.dropped + st.delivered == 20
+    assert any(e["event"] == "subscriber disabled" for e in logs)
+
+
+def test_hung_subscribers_cannot_stop_close() -> None:
+    class HungAsync:
+        async def on_events(self, batch: list[Event]) -> None:
+            await asyncio.Event().wait()  # never returns
+
+    def hung_sync(ev: Event) -> None:
+        time.sleep(60)
+
+    good = Recorder()
+    bus = EventBus()
+    bus.subscribe(good)
+    bus.subscribe(HungAsync())
+    bus.subscribe(hung_sync)
+    bus.start()
+    for i in range(10):
+        bus.publish(Loss(step=i, value=1.0))
+    bus.flush(0.2)
+    t0 = time.monotonic()
+    with structlog.testing.capture_logs() as logs:
+        st = bus.close(timeout=1)
+    elapsed = time.monotonic() - t0
+    assert elapsed < 1.6
+    assert set(st.hung) == {"HungAsync", "test_hung_subscribers_cannot_stop_close.<locals>.hung_sync"}
+    assert len(good.got) == 10
+    assert any("abandoned" in e["event"] for e in logs)
+
+
+def test_close_is_idempotent_and_publish_after_close_is_counted(recorder: Recorder) -> None:
+    bus = EventBus()
+    bus.subscribe(recorder)
+    with bus:
+        bus.publish(Loss(step=1, value=1.0))
+    bus.close()
+    bus.publish(Loss(step=2, value=1.0))  # does not raise: training code at exit is common
+    st = bus.close()
+    assert st.rejected == 1 and len(recorder.got) == 1
+    with pytest.raises(RuntimeError, match="closed"):
+        bus.start()
+
+
+def test_events_published_before_start_are_delivered(recorder: Recorder) -> None:
+    bus = EventBus()
+    bus.subscribe(recorder)
+    bus.publish(Loss(step=0, value=1.0))
+    with bus:
+        bus.publish(Loss(step=1, value=1.0))
+    assert [e.step for e in recorder.got] == [0, 1]
+
+
+def test_subscribe_while_running_gets_what_follows(bus: EventBus) -> None:
+    bus.start()
+    bus.publish(Loss(step=0, value=1.0))
+    late = Recorder()
+    h = bus.subscribe(late)
+    bus.publish(Loss(step=1, value=1.0))
+    assert bus.flush(5)
+    assert [e.step for e in late.got] == [1]
+    h.remove()
+    bus.publish(Loss(step=2, value=1.0))
+    assert bus.flush(5)
+    assert [e.step for e in late.got] == [1]
+    assert not h.active
+
+
+def test_routing_by_type_and_base_class(bus: EventBus) -> None:
+    import dataclasses
+
+    @dataclasses.dataclass(slots=True, kw_only=True)
+    class MyLoss(Loss):
+        extra: int = 0
+
+    only_loss = Recorder(events=(Loss,))
+    only_steps = Recorder(events=(StepEnded,))
+    bus.subscribe(only_loss)
+    bus.subscribe(only_steps)
+    with bus:
+        bus.publish(Loss(step=1, value=1.0))
+        bus.publish(MyLoss(step=2, value=1.0))
+        bus.publish(StepEnded(step=3))
+    assert [type(e) for e in only_loss.got] == [Loss, MyLoss]
+    assert [e.step for e in only_steps.got] == [3]
+
+
+def test_functions_sync_and_async_and_decorator(bus: EventBus) -> None:
+    got_sync: list[int | None] = []
+    got_async: list[int | None] = []
+    threads: set[str] = set()
+
+    @bus.on(Loss, policy="block")
+    def sync_fn(ev: Loss) -> None:
+        threads.add(threading.current_thread().name)
+        got_sync.append(ev.step)
+
+    async def async_fn(ev: Event) -> None:
+        got_async.append(ev.step)
+
+    bus.subscribe(async_fn, events=[StepEnded], policy="block")
+    with bus:
+        bus.publish(Loss(step=1, value=1.0))
+        bus.publish(StepEnded(step=2))
+    assert got_sync == [1] and got_async == [2]
+    assert threads and all(t.startswith("eventbus-") for t in threads)  # off the loop
+
+
+def test_hooks_are_called_in_order(bus: EventBus) -> None:
+    calls: list[str] = []
+
+    class Hooked:
+        policy = "block"
+
+        def on_start(self, b: EventBus) -> None:
+            calls.append(f"start:{b is bus}")
+
+        async def on_events(self, batch: list[Event]) -> None:
+            calls.append(f"events:{len(batch)}")
+
+        async def on_close(self) -> None:
+            calls.append("close")
+
+    bus.subscribe(Hooked())
+    with bus:
+        bus.publish(Loss(step=1, value=1.0))
+    assert calls == ["start:True", "events:1", "close"]
+
+
+def test_subscribers_close_newest_first_and_see_late_events() -> None:
+    writer = Recorder()
+
+    class Summariser:
+        async def on_start(self, b: EventBus) -> None:
+            self.bus = b
+
+        async def on_events(self, batch: list[Event]) -> None:
+            pass
+
+        async def on_close(self) -> None:
+            self.bus.publish(Scalars(step=None, values={"summary": 1.0}))
+
+    bus = EventBus()
+    bus.subscribe(writer)
+    bus.subscribe(Summariser())
+    with bus:
+        bus.publish(Loss(step=1, value=1.0))
+    assert [type(e) for e in writer.got] == [Loss, Scalars]
+
+
+def test_control_stop_and_abort(bus: EventBus, recorder: Recorder) -> None:
+    bus.subscribe(recorder)
+    with bus:
+        assert not bus.should_stop
+        bus.control.request_stop("enough")
+        bus.control.request_stop("again")  # idempotent: one event
+        assert bus.should_stop and not bus.should_abort
+        bus.control.request_abort("now")
+        assert bus.should_abort
+        with pytest.raises(Exception, match="now"):
+            bus.control.check()
+    stops = [e for e in recorder.got if isinstance(e, StopRequested)]
+    assert [(s.reason, s.abort) for s in stops] == [("enough", False), ("now", True)]
+
+
+def test_stats_latency_and_high_water(bus: EventBus, recorder: Recorder) -> None:
+    h = bus.subscribe(recorder)
+    with bus:
+        for i in range(100):
+            bus.publish(Loss(step=i, value=1.0))
+        bus.flush(5)
+        st = h.stats()
+        assert st is not None and st.latency_p50_ms is not None and st.latency_p50_ms >= 0
+        assert st.queue_high_water >= 1
+    assert bus.stats().published == 100
+    assert bus.stats().as_dict()["subscribers"]["Recorder"]["delivered"] == 100
+
+
+def test_state_dict_round_trip(bus: EventBus) -> None:
+    class Counting:
+        policy = "block"
+
+        def __init__(self) -> None:
+            self.n = 0
+
+        async def on_events(self, batch: list[Event]) -> None:
+            self.n += len(batch)
+
+        def state_dict(self) -> dict[str, int]:
+            return {"n": self.n}
+
+        def load_state_dict(self, d: dict[str, int]) -> None:
+            self.n = d["n"]
+
+    c = Counting()
+    bus.subscribe(c)
+    with bus:
+        for i in range(5):
+            bus.publish(Loss(step=i, value=1.0))
+        state = bus.state_dict()
+    assert state == {"Counting": {"n": 5}}
+    other = EventBus()
+    c2 = Counting()
+    other.subscribe(c2)
+    other.load_state_dict(state)
+    assert c2.n == 5
+    with pytest.raises(KeyError, match="no subscriber named"):
+        other.load_state_dict({"Nope": {}})
+
+
+# -- bad input -----------------------------------------------------------------------
+
+
+def test_publishing_a_non_event_is_a_clear_type_error(bus: EventBus, recorder: Recorder) -> None:
+    bus.subscribe(recorder)
+    with bus:
+        with pytest.raises(TypeError, match=r"publish\(\) takes an eventbus Event.*dict"):
+            bus.publish({"loss": 1.0})  # type: ignore[arg-type]
+        bus.publish(Loss(step=1, value=1.0))  # nothing else lost
+    assert len(recorder.got) == 1
+
+
+@pytest.mark.parametrize(
+    ("sub", "kwargs", "err", "match"),
+    [
+        (42, {}, TypeError, "on_events"),
+        ("text", {}, TypeError, "on_events"),
+        (print, {"events": [dict]}, TypeError, "Event subclasses"),
+        (print, {"events": []}, ValueError, "empty"),
+        (print, {"policy": "drop_all"}, ValueError, "block, drop_oldest"),
+        (print, {"maxsize": 0}, ValueError, "maxsize"),
+        (print, {"placement": "gpu"}, ValueError, "placement"),
+    ],
+)
+def test_bad_subscriptions_are_clear_errors(
+    sub: Any, kwargs: dict[str, Any], err: type[Exception], match: str
+) -> None:
+    bus = EventBus()
+    with pytest.raises(err, match=match):
+        bus.subscribe(sub, **kwargs)
+
+
+def test_ranks_filter_skips_other_ranks() -> None:
+    bus = EventBus(rank=1, world_size=2)
+    h = bus.subscribe(Recorder(), ranks=[0])
+    assert not h.active and h.name is None
+    h2 = bus.subscribe(Recorder(), ranks=[1])
+    assert h2.active
+
+
+def test_publishing_from_other_threads_and_async(bus: EventBus, recorder: Recorder) -> None:
+    bus.subscribe(recorder)
+
+    async def apub() -> None:
+        for i in range(100):
+            await bus.apublish(Loss(step=i, value=1.0))
+
+    def pub() -> None:
+        for i in range(100):
+            bus.publish(StepEnded(step=i))
+
+    with bus:
+        threads = [threading.Thread(target=pub) for _ in range(4)]
+        for t in threads:
+            t.start()
+        asyncio.run(apub())
+        for t in threads:
+            t.join()
+    assert len(recorder.got) == 500
+    assert sorted(e.seq for e in recorder.got) == list(range(500))  # type: ignore[type-var]
+
+
+def test_unstarted_bus_with_a_full_inbox_says_what_to_do() -> None:
+    bus = EventBus(inbox_maxsize=10)
+    bus.subscribe(Recorder())
+    with pytest.raises(RuntimeError, match="never started"):
+        for i in range(20):
+            bus.publish(Loss(step=i, value=1.0))
