@@ -1,0 +1,249 @@
+"""The divergence decision, as a pure streaming rule: no bus, no torch.
+
+`DivergenceRule.update(step, value)` sees one metric value at a time (training loss,
+grad norm, eval loss) and returns a `Detection` the first time the run diverges.
+The rule and its defaults are explained, with measured results, in docs/divergence.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from itertools import pairwise
+from statistics import median
+from typing import Any
+
+__all__ = ["Detection", "DivergenceRule"]
+
+_STATE_VERSION = 1
+# 1.4826 * MAD estimates a Gaussian standard deviation; a difference of two independent
+# noisy values has sqrt(2) times the noise of one.
+_MAD_TO_SIGMA = 1.4826 / math.sqrt(2.0)
+
+
+@dataclass(slots=True)
+class Detection:
+    """Why the rule fired: the tripping step and value, the baseline it departed from."""
+
+    step: int
+    value: float
+    baseline: float
+    reason: str
+
+
+@dataclass(slots=True)
+class _Baseline:
+    """The reference an excursion is measured against, frozen when the excursion starts."""
+
+    log: bool  # ratios (log space) when every recent value is > 0, else differences
+    center: float  # median of the recent values, in the space above
+    threshold: float  # excess over `center` that counts as elevated, same space
+
+    def level(self) -> float:
+        """The baseline in the metric's own units."""
+        return math.exp(self.center) if self.log else self.center
+
+
+class DivergenceRule:
+    """Flags a metric that goes non-finite or rises and stays up; ignores spikes that return.
+
+    A value is *elevated* when it exceeds the median of the last `window` values by more
+    than `sigmas` times the step-to-step noise and by at least `min_rise` (relative).
+    The rule fires on a non-finite value at once; on `persist` consecutive elevated values
+    whose latest still holds at least `hold` of the excursion's peak (a spike that is
+    coming back down does not count); or on two consecutive values `fast_ratio` times
+    the baseline. Work is in log space, so no default depends on the metric's scale.
+    """
+
+    def __init__(
+        self,
+        *,
+        warmup: int = 10,
+        window: int = 20,
+        memory: int = 30,
+        noise_window: int = 50,
+        sigmas: float = 3.0,
+        min_rise: float = 0.2,
+        persist: int = 3,
+        hold: float = 0.5,
+        fast_ratio: float = 20.0,
+        once: bool = True,
+    ) -> None:
+        if warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {warmup}")
+        if memory < 1:
+            raise ValueError(f"memory must be >= 1, got {memory}")
+        if window < 3 or noise_window < 3:
+            raise ValueError(f"window and noise_window must be >= 3, got {window}, {noise_window}")
+        if sigmas < 0 or min_rise < 0:
+            raise ValueError(f"sigmas and min_rise must be >= 0, got {sigmas}, {min_rise}")
+        if persist < 1:
+            raise ValueError(f"persist must be >= 1, got {persist}")
+        if not 0.0 <= hold <= 1.0:
+            raise ValueError(f"hold must be in [0, 1], got {hold}")
+        if fast_ratio <= 1.0:
+            raise ValueError(f"fast_ratio must be > 1, got {fast_ratio}")
+        self.warmup = warmup
+        self.window = window
+        self.memory = memory
+        self.noise_window = noise_window
+        self.sigmas = sigmas
+        self.min_rise = min_rise
+        self.persist = persist
+        self.hold = hold
+        self.fast_ratio = fast_ratio
+        self.once = once
+        self._values: deque[float] = deque(maxlen=max(window, noise_window + 1))
+        self._centers: deque[float] = deque(maxlen=memory)  # recent rolling medians (log)
+        self._seen = 0  # finite values seen, for the warmup
+        self._scale = 0.0  # largest |value| seen: the run's own unit when values reach <= 0
+        self._excursion: list[float] = []  # excess of each consecutive elevated value
+        self._frozen: _Baseline | None = None
+        self._fired = False  # a detection happened (the rule stays quiet if `once`)
+        self._armed = True  # False from a detection until the excursion that caused it ends
+
+    @property
+    def fired(self) -> bool:
+        """Whether the rule has detected a divergence since construction or `reset()`."""
+        return self._fired
+
+    def reset(self) -> None:
+        """Forget everything: the next value starts a new warmup."""
+        self._values.clear()
+        self._centers.clear()
+        self._seen = 0
+        self._scale = 0.0
+        self._excursion.clear()
+        self._frozen = None
+        self._fired = False
+        self._armed = True
+
+    def update(self, step: int, value: float) -> Detection | None:
+        """Feed the value logged at `step`; returns a `Detection` when this value trips the rule."""
+        if self._fired and self.once:
+            return None
+        value = float(value)
+        if not math.isfinite(value):
+            baseline = self._frozen or self._baseline()
+            self._excursion.append(math.inf)
+            level = baseline.level() if baseline is not None else math.nan
+            return self._fire(step, value, level, f"non-finite value ({value})")
+        detection = None
+        if self._seen >= self.warmup:
+            baseline = self._frozen or self._baseline()
+            if baseline is not None:
+                detection = self._judge(step, value, baseline)
+        self._values.append(value)
+        self._centers.append(median(list(self._values)[-self.window :]))
+        self._seen += 1
+        self._scale = max(self._scale, abs(value))
+        return detection
+
+    def _judge(self, step: int, value: float, baseline: _Baseline) -> Detection | None:
+        if baseline.log:
+            excess = math.log(value) - baseline.center if value > 0 else -math.inf
+        else:
+            excess = value - baseline.center
+        if excess <= baseline.threshold:
+            self._excursion.clear()
+            self._frozen = None
+            self._armed = True
+            return None
+        self._frozen = baseline
+        self._excursion.append(excess)
+        last = self._excursion[-self.persist :]
+        fast = baseline.log and len(last) >= 2 and min(last[-2:]) >= math.log(self.fast_ratio)
+        if fast:
+            reason = f"{math.exp(excess):.3g}x the baseline for 2 steps"
+            return self._fire(step, value, baseline.level(), reason)
+        # A spike that is coming back (or one that arrives on top of a noisy step) leaves the
+        # smallest of the last `persist` excesses far below the largest: not a new level.
+        if len(last) >= self.persist and min(last) >= self.hold * max(last):
+            rise = f"{math.exp(excess):.3g}x" if baseline.log else f"{excess:.3g} above"
+            reason = f"{rise} the baseline, elevated for {len(self._excursion)} steps"
+            return self._fire(step, value, baseline.level(), reason)
+        return None
+
+    def _fire(self, step: int, value: float, level: float, reason: str) -> Detection | None:
+        if not self._armed:
+            return None
+        self._fired = True
+        self._armed = False
+        return Detection(step=step, value=value, baseline=level, reason=reason)
+
+    def _baseline(self) -> _Baseline | None:
+        """The reference level, and the excess over it that counts as elevated.
+
+        The level is the lowest rolling median of the last `memory` steps (a running best
+        that forgets), so a divergence that creeps up cannot drag its own baseline along.
+        The threshold is the largest of: `sigmas` x step-to-step noise, `min_rise`, and the
+        recent high (a smooth metric that wanders back up to where it just was is no news).
+        """
+        values = list(self._values)
+        if len(values) < 3:
+            return None
+        noisy = values[-(self.noise_window + 1) :]
+        level = min(self._centers)
+        if min(values) > 0 and level > 0:
+            logs = [math.log(v) for v in noisy]
+            threshold = max(
+                self.sigmas * _noise(logs), math.log1p(self.min_rise), _high(logs) - math.log(level)
+            )
+            return _Baseline(True, math.log(level), threshold)
+        # A value <= 0 rules out ratios: measure raw differences instead, floored relative
+        # to the level or, when that is 0, to the largest value the run has logged.
+        floor = self.min_rise * (abs(level) or self._scale)
+        threshold = max(self.sigmas * _noise(noisy), floor, _high(noisy) - level)
+        return _Baseline(False, level, threshold)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume with the same baseline: plain floats, lists and bools."""
+        frozen = self._frozen
+        return {
+            "version": _STATE_VERSION,
+            "values": list(self._values),
+            "centers": list(self._centers),
+            "seen": self._seen,
+            "scale": self._scale,
+            "excursion": list(self._excursion),
+            "frozen": None if frozen is None else [frozen.log, frozen.center, frozen.threshold],
+            "fired": self._fired,
+            "armed": self._armed,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict()` returned (the constructor's parameters are not saved)."""
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"unknown DivergenceRule state version {state.get('version')!r}")
+        self._values.clear()
+        self._values.extend(float(v) for v in state["values"])
+        self._centers.clear()
+        self._centers.extend(float(v) for v in state["centers"])
+        self._seen = int(state["seen"])
+        self._scale = float(state["scale"])
+        self._excursion = [float(e) for e in state["excursion"]]
+        frozen = state["frozen"]
+        self._frozen = (
+            None
+            if frozen is None
+            else _Baseline(bool(frozen[0]), float(frozen[1]), float(frozen[2]))
+        )
+        self._fired = bool(state["fired"])
+        self._armed = bool(state["armed"])
+
+
+def _noise(values: list[float]) -> float:
+    """Robust standard deviation of one value's noise, from successive differences.
+
+    Differences cancel a trend (the fast early fall of a loss), and the median absolute
+    deviation ignores the few large jumps a spike makes.
+    """
+    diffs = [b - a for a, b in pairwise(values)]
+    mid = median(diffs)
+    return _MAD_TO_SIGMA * median(abs(d - mid) for d in diffs)
+
+
+def _high(values: list[float]) -> float:
+    """The third largest of `values`: the recent high, ignoring a two-step spike."""
+    return sorted(values)[-3] if len(values) >= 3 else max(values)
