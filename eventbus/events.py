@@ -25,6 +25,7 @@ __all__ = [
     "Loss",
     "MemoryLeakSuspected",
     "MemorySample",
+    "MemorySnapshotSaved",
     "OptimizerStepped",
     "RunEnded",
     "RunStarted",
@@ -216,6 +217,10 @@ class MemorySample(Event):
     ooms: int | None = None
     phase: str | None = None
     device: str | None = None
+    # Where the CUDA figures were read: "training" (a snapshot on the training thread at the
+    # step's end) or "bus" (when the subscriber handled the step's event, `lag_s` later).
+    source: str | None = None
+    lag_s: float | None = None
 
 
 @dataclass(slots=True, kw_only=True)
@@ -225,6 +230,14 @@ class MemoryLeakSuspected(Event):
     rate_mb_per_step: float = 0.0
     window: int = 0
     metric: str = "rss_mb"
+
+
+@dataclass(slots=True, kw_only=True)
+class MemorySnapshotSaved(Event):
+    """A CUDA memory snapshot (`torch.cuda.memory._dump_snapshot`) was written to `path`."""
+
+    path: str = ""
+    reason: str = ""
 
 
 @dataclass(slots=True, kw_only=True)
