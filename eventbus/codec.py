@@ -23,17 +23,21 @@ from eventbus.events import Event, UnknownEvent, event_type
 __all__ = [
     "FORMAT_VERSION",
     "HEADER_TYPE",
+    "RECORD_PREFIX",
     "EventDecodeError",
     "EventEncodeError",
     "decode",
     "encode",
     "header",
     "iter_lines",
+    "record",
     "to_dict",
 ]
 
 FORMAT_VERSION = 1
 HEADER_TYPE = "eventbus.header"
+RECORD_PREFIX = "eventbus."
+"""Types starting with this are records about a log (header, stats, markers), not events."""
 
 _NONFINITE_OUT = {math.inf: "Infinity", -math.inf: "-Infinity"}
 _NONFINITE_IN: dict[str, float] = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -156,9 +160,15 @@ def _explain(ev: Event, d: dict[str, Any]) -> EventEncodeError:
 
 def header(**info: Any) -> bytes:
     """The first line of a log: format name and version plus `info` (rank, world size...)."""
+    return record(HEADER_TYPE, format="eventbus.jsonl", version=FORMAT_VERSION, **info)
+
+
+def record(type_name: str, **info: Any) -> bytes:
+    """A non-event line (`type_name` starts with "eventbus."): `decode` returns None for it."""
+    if not type_name.startswith(RECORD_PREFIX):
+        raise ValueError(f"record types start with {RECORD_PREFIX!r}; got {type_name!r}")
     return orjson.dumps(
-        {"type": HEADER_TYPE, "format": "eventbus.jsonl", "version": FORMAT_VERSION,
-         **{k: _sanitize(v) for k, v in info.items()}},
+        {"type": type_name, **{k: _sanitize(v) for k, v in info.items()}},
         option=orjson.OPT_APPEND_NEWLINE,
     )
 
@@ -175,7 +185,7 @@ def _restore(v: Any) -> Any:
 
 
 def decode(line: bytes | str) -> Event | None:
-    """Rebuild the event of one JSON line; None for a header line.
+    """Rebuild the event of one JSON line; None for a header or another "eventbus." record.
 
     Types are looked up in the registry (user classes register on definition); a type not
     registered becomes `UnknownEvent`, which encodes back to the same line.
@@ -187,7 +197,7 @@ def decode(line: bytes | str) -> Event | None:
     if type(d) is not dict or type(d.get("type")) is not str:
         raise EventDecodeError("not an event record: a JSON object with a string 'type' expected")
     name: str = d.pop("type")
-    if name == HEADER_TYPE:
+    if name.startswith(RECORD_PREFIX):
         return None
     cls = event_type(name)
     if cls is None or cls is UnknownEvent:
