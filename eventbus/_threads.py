@@ -12,7 +12,14 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ThreadWorker"]
+__all__ = ["ThreadWorker", "in_worker"]
+
+_local = threading.local()
+
+
+def in_worker() -> bool:
+    """True on a subscriber's worker thread (where waiting for the bus could deadlock)."""
+    return getattr(_local, "worker", False)
 
 
 def _settle(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
@@ -47,6 +54,7 @@ class ThreadWorker:
             self._q.put(None)
 
     def _run(self) -> None:
+        _local.worker = True
         while True:
             item = self._q.get()
             if item is None:

@@ -1,0 +1,123 @@
+"""`DivergenceDetector`: catches a run going bad from its events, on the bus side.
+
+It never touches the training thread: values arrive as floats (tensors were captured at
+publish without a sync), the decision is `DivergenceRule` (docs/divergence.md), and on
+detection it publishes `DivergenceDetected` and warns, stops or aborts through `bus.control`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar, Literal
+
+from eventbus._log import get_logger
+from eventbus.events import DivergenceDetected, EvalEnded, Event, Loss, OptimizerStepped, Scalars
+from eventbus.monitors._divergence_rule import Detection, DivergenceRule
+
+__all__ = ["DivergenceDetector"]
+
+Action = Literal["warn", "stop", "abort"]
+_ACTIONS = ("warn", "stop", "abort")
+
+
+class DivergenceDetector:
+    """Watches one metric and reports divergence: NaN/Inf at once, a sustained rise in ~3 steps.
+
+    `metric`: "loss" (training `Loss` events), "grad_norm" (`OptimizerStepped`), "eval_loss"
+    (`EvalEnded.metrics["loss"]` or `Loss(split="eval")`), or any other name, looked up in
+    `Scalars.values` and `EvalEnded.metrics`. `action`: "warn" (log only), "stop"
+    (`bus.control.request_stop`) or "abort" (`bus.control.request_abort`). Other keyword
+    arguments tune `DivergenceRule`; the defaults work at any loss scale.
+    """
+
+    events: ClassVar[tuple[type[Event], ...]] = (Loss, OptimizerStepped, EvalEnded, Scalars)
+    policy: ClassVar[str] = "block"  # a monitor that misses the diverging step is no monitor
+    name = "DivergenceDetector"
+
+    def __init__(
+        self, metric: str = "loss", action: Action = "warn", *, split: str = "train",
+        **rule: Any,
+    ) -> None:
+        if action not in _ACTIONS:
+            raise ValueError(f"action must be one of {', '.join(_ACTIONS)}; got {action!r}")
+        if not isinstance(metric, str) or not metric:
+            raise ValueError(f"metric must be a non-empty name such as 'loss'; got {metric!r}")
+        self.metric = metric
+        self.action: Action = action
+        self.split = split
+        try:
+            self.rule = DivergenceRule(**rule)
+        except TypeError as e:
+            raise TypeError(f"DivergenceDetector: unknown option ({e})") from None
+        self.detections: list[DivergenceDetected] = []
+        self.bus: Any = None
+        self._auto_step = 0
+
+    def on_start(self, bus: Any) -> None:
+        self.bus = bus
+
+    async def on_events(self, batch: list[Event]) -> None:
+        for ev in batch:
+            value = self._value(ev)
+            if value is None:
+                continue
+            step = ev.step
+            if step is None:
+                step = self._auto_step
+            self._auto_step = step + 1
+            found = self.rule.update(step, value)
+            if found is not None:
+                self._report(found)
+
+    def _value(self, ev: Event) -> float | None:
+        """The watched metric's value in `ev`, or None when `ev` does not carry it."""
+        m = self.metric
+        raw: Any = None
+        if type(ev) is Loss or isinstance(ev, Loss):
+            if (m == "loss" and ev.split == self.split) or (m == "eval_loss" and ev.split == "eval"):
+                raw = ev.value
+        elif isinstance(ev, OptimizerStepped):
+            raw = ev.grad_norm if m == "grad_norm" else ev.lr if m == "lr" else None
+        elif isinstance(ev, EvalEnded):
+            raw = ev.metrics.get("loss" if m == "eval_loss" else m)
+        elif isinstance(ev, Scalars):
+            raw = ev.values.get(m)
+        if raw is None or isinstance(raw, bool):
+            return None
+        try:
+            return float(raw)  # already a host float: tensors were resolved on the bus side
+        except (TypeError, ValueError):
+            return None
+
+    def _report(self, d: Detection) -> None:
+        ev = DivergenceDetected(step=d.step, metric=self.metric, value=d.value,
+                                baseline=d.baseline, reason=d.reason)
+        self.detections.append(ev)
+        get_logger().warning(
+            "divergence detected", metric=self.metric, step=d.step,
+            value=d.value if math.isfinite(d.value) else repr(d.value),
+            baseline=d.baseline, reason=d.reason, action=self.action,
+        )
+        bus = self.bus
+        if bus is None:
+            return
+        bus.publish(ev)
+        reason = f"{self.metric} diverged at step {d.step}: {d.reason}"
+        if self.action == "stop":
+            bus.control.request_stop(reason, source=self.name)
+        elif self.action == "abort":
+            bus.control.request_abort(reason, source=self.name)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rule's windows and baseline, so a resumed run keeps its reference."""
+        return {"metric": self.metric, "auto_step": self._auto_step,
+                "rule": self.rule.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("metric", self.metric) != self.metric:
+            raise ValueError(
+                f"state is for metric {state.get('metric')!r}, this detector watches "
+                f"{self.metric!r}: construct DivergenceDetector(metric={state.get('metric')!r})"
+            )
+        self._auto_step = int(state.get("auto_step", 0))
+        self.rule.load_state_dict(state["rule"])
