@@ -1,0 +1,476 @@
+"""JsonlWriter: every event as one JSON line, written in batches from the bus side.
+
+Lossless by default (`policy = "block"`). Each batch the bus hands over becomes one
+`os.write` on an unbuffered, append-only descriptor: nothing sits in a Python file buffer, so
+a forked child (a DataLoader worker) has nothing of ours to flush a second time, and a
+`tail -f` sees lines within a drain interval. A write that fails (disk full, I/O error) marks
+the writer failed: it raises from `on_events` from then on, so the bus counts every event it
+could not keep, and after the bus's consecutive-failure limit the bus disables it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import orjson
+
+import eventbus
+from eventbus import Event, EventEncodeError
+from eventbus._log import RateLimiter, get_logger
+from eventbus.codec import encode, header, record
+from eventbus.events import CheckpointLoaded, RunStarted
+from eventbus.sinks._files import check_writable_dir, check_writable_file
+
+__all__ = ["SKIPPED_TYPE", "STATS_TYPE", "JsonlWriteError", "JsonlWriter", "JsonlWriterStats"]
+
+STATS_TYPE = "eventbus.stats"
+"""The record appended at close: the bus's counters and this writer's own."""
+SKIPPED_TYPE = "eventbus.skipped"
+"""The marker written instead of an event that is too large or cannot be serialised."""
+
+_log_limit = RateLimiter(30.0)
+_WRITERS: list[JsonlWriter] = []  # for the fork hook; a writer removes itself at close
+
+
+class JsonlWriteError(OSError):
+    """The log could not be written (disk full, I/O error); the writer is marked failed."""
+
+
+@dataclass(frozen=True, slots=True)
+class JsonlWriterStats:
+    """What the writer did, beyond the bus's delivered/failed counts."""
+
+    path: str | None
+    lines_written: int  # event lines now in the file (this session)
+    bytes_written: int
+    skipped_oversize: int  # events replaced by a marker: line over `max_line_bytes`
+    skipped_unserialisable: int  # events replaced by a marker: a field JSON cannot hold
+    lines_lost: int  # events handed to the writer that never reached the file (I/O errors)
+    lines_truncated: int  # lines removed by a resume (step > the resume step)
+    torn_lines_repaired: int  # partial last lines (a crash mid-write) removed on open
+    failed: str | None  # the I/O error that stopped the writer, if any
+
+
+class JsonlWriter:
+    """Write events as JSON lines under a directory (`events.jsonl`, or per rank
+    `events.rank{r}.jsonl` when the world size is > 1), or to a given `*.jsonl` file.
+
+    `resume_from_step=N` (or `load_state_dict({"step": N})`) keeps the lines with step <= N
+    and drops later ones, so each step appears once after a resume; a `CheckpointLoaded`
+    event or a `RunStarted(resumed_from_step=N)` does the same mid-stream.
+    """
+
+    events: ClassVar[tuple[type[Event], ...]] = (Event,)
+    policy: ClassVar[str] = "block"
+    maxsize: ClassVar[int] = 65_536
+    max_batch: ClassVar[int] = 4096
+    name: ClassVar[str] = "jsonl"
+    filename: ClassVar[str] = "events"
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        flush_interval: float = 0.0,
+        buffer_bytes: int = 1 << 20,
+        fsync: bool = False,
+        max_line_bytes: int = 1 << 20,
+        resume_from_step: int | None = None,
+        truncate_on_resume: bool = True,
+        overwrite: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        """`flush_interval=0` writes each batch as it arrives (one `os.write` per batch);
+        a positive value holds lines up to that many seconds (or `buffer_bytes`) for fewer,
+        larger writes. `fsync=True` syncs the file to disk at close."""
+        if flush_interval < 0:
+            raise ValueError(f"flush_interval must be >= 0 seconds, got {flush_interval!r}")
+        if max_line_bytes < 256:
+            raise ValueError(f"max_line_bytes must be >= 256, got {max_line_bytes!r}")
+        if resume_from_step is not None and not isinstance(resume_from_step, int):
+            raise TypeError(f"resume_from_step must be an int step, got {resume_from_step!r}")
+        p = Path(path)
+        self._file_mode = p.suffix == ".jsonl" or (p.exists() and not p.is_dir())
+        if self._file_mode:
+            check_writable_file(p, "JsonlWriter")
+        else:
+            check_writable_dir(p, "JsonlWriter")
+        self._target = p
+        self.flush_interval = float(flush_interval)
+        self.buffer_bytes = buffer_bytes
+        self.fsync = fsync
+        self.max_line_bytes = max_line_bytes
+        self.truncate_on_resume = truncate_on_resume
+        self.overwrite = overwrite
+        self.rank = rank
+        self.world_size = world_size
+        self._resume_from = resume_from_step
+        self._bus: Any = None
+        self._lock = threading.RLock()
+        self._fd: int | None = None
+        self._path: Path | None = None
+        self._pid = os.getpid()
+        self._buf = bytearray()
+        self._buf_lines = 0  # event lines (markers included) in the buffer
+        self._buf_records = 0  # header / stats records in the buffer
+        self._last_write = time.monotonic()
+        self._last_step: int | None = None
+        self._error: OSError | None = None
+        self._closed = False
+        self._timer: threading.Thread | None = None
+        self._timer_stop = threading.Event()
+        self._n = dict.fromkeys(
+            ("lines", "bytes", "oversize", "unserialisable", "lost", "truncated", "torn"), 0)
+
+    # -- where ----------------------------------------------------------------------------
+
+    @property
+    def path(self) -> Path:
+        """The file written: final once the bus started (rank and world size known then)."""
+        if self._path is not None:
+            return self._path
+        return self._resolve(self.rank or 0, self.world_size or 1)
+
+    def _resolve(self, rank: int, world_size: int) -> Path:
+        if not self._file_mode:
+            name = self.filename if world_size <= 1 else f"{self.filename}.rank{rank}"
+            return self._target / f"{name}.jsonl"
+        if world_size <= 1:
+            return self._target
+        if self._target.suffix == ".jsonl":
+            return self._target.with_name(f"{self._target.stem}.rank{rank}.jsonl")
+        return self._target.with_name(f"{self._target.name}.rank{rank}")
+
+    # -- subscriber hooks (run in the bus's worker thread for this writer) -----------------
+
+    def on_start(self, bus: Any = None) -> None:
+        """Open the file for this rank: repair a torn last line, apply a resume, add a header."""
+        self._bus = bus
+        if bus is not None:
+            self.rank = bus.rank if self.rank is None else self.rank
+            self.world_size = bus.world_size if self.world_size is None else self.world_size
+        with self._lock:
+            self._open()
+
+    def on_events(self, batch: list[Event]) -> None:
+        """Encode the batch into one buffer and write it (now, or when the interval is due)."""
+        with self._lock:
+            if self._error is not None:
+                self._n["lost"] += len(batch)
+                raise JsonlWriteError(
+                    self._error.errno, f"JSONL writer failed earlier ({self._error}); "
+                    f"{len(batch)} events not written to {self.path}")
+            if self._fd is None:
+                self._open()
+            buf = self._buf
+            cap = self.max_line_bytes
+            n = 0
+            for ev in batch:
+                t = type(ev)
+                if (t is CheckpointLoaded or t is RunStarted) and self.truncate_on_resume:
+                    step = ev.step if t is CheckpointLoaded else ev.resumed_from_step  # type: ignore[attr-defined]
+                    if step is not None:
+                        self._buf_lines += n
+                        n = 0
+                        self._truncate_after(step)
+                try:
+                    line = encode(ev)
+                except EventEncodeError as e:
+                    self._n["unserialisable"] += 1
+                    line = self._skipped(ev, "unserialisable", error=str(e))
+                    _warn("event not written: a field cannot be serialised",
+                          key=(t, "encode"), event_type=t.__name__, step=ev.step, error=str(e))
+                else:
+                    if len(line) > cap:
+                        self._n["oversize"] += 1
+                        _warn("event not written: its line is over max_line_bytes",
+                              key=(t, "size"), event_type=t.__name__, step=ev.step,
+                              size=len(line), max_line_bytes=cap)
+                        line = self._skipped(ev, "oversize", size=len(line), limit=cap)
+                buf += line
+                n += 1
+                s = ev.step
+                if s is not None and (self._last_step is None or s > self._last_step):
+                    self._last_step = s
+            self._buf_lines += n
+            if (self.flush_interval == 0.0 or len(buf) >= self.buffer_bytes
+                    or time.monotonic() - self._last_write >= self.flush_interval):
+                self._write_out()
+
+    def on_flush(self) -> None:
+        """Write what is held (a `flush_interval` > 0 holds lines between writes)."""
+        with self._lock:
+            if self._error is None:
+                self._write_out()
+
+    def on_close(self) -> None:
+        """Write what is held, append the stats record, fsync if asked, close the file."""
+        self._timer_stop.set()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                if self._error is None and self._fd is not None:
+                    self._write_out()
+                    self._append_stats()
+                    if self.fsync:
+                        os.fsync(self._fd)
+            finally:
+                self._close_fd()
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The last step written and the file: `load_state_dict` on resume drops later lines."""
+        with self._lock:
+            return {"step": self._last_step, "path": str(self.path),
+                    "lines": self._n["lines"]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at `state["step"]`: lines with a later step are removed (now, or at open)."""
+        step = state.get("step")
+        if step is None:
+            return
+        if not isinstance(step, int):
+            raise TypeError(f"state['step'] must be an int, got {step!r}")
+        with self._lock:
+            if self._fd is None:
+                self._resume_from = step
+            elif self._error is None:
+                self._write_out()
+                self._truncate_after(step)
+
+    def stats(self) -> JsonlWriterStats:
+        """This writer's own counters (lines, skipped events, lost lines, resume repairs)."""
+        n = self._n
+        return JsonlWriterStats(
+            path=str(self._path) if self._path else None, lines_written=n["lines"],
+            bytes_written=n["bytes"], skipped_oversize=n["oversize"],
+            skipped_unserialisable=n["unserialisable"], lines_lost=n["lost"],
+            lines_truncated=n["truncated"], torn_lines_repaired=n["torn"],
+            failed=str(self._error) if self._error else None,
+        )
+
+    # -- file work (called with the lock held) ------------------------------------------------
+
+    def _open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this JsonlWriter was closed; create a new one")
+        path = self._resolve(self.rank or 0, self.world_size or 1)
+        self._path = path
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
+        if self.overwrite and self._resume_from is None:
+            flags |= os.O_TRUNC
+        try:
+            self._fd = os.open(path, flags, 0o644)
+        except OSError as e:
+            raise type(e)(e.errno, f"JsonlWriter cannot open {str(path)!r}: {e.strerror}") from e
+        self._pid = os.getpid()
+        if _regular(self._fd):
+            self._repair_and_resume(path)
+        self._buf += header(
+            rank=self.rank or 0, world_size=self.world_size or 1, pid=os.getpid(),
+            host=socket.gethostname(), eventbus_version=eventbus.__version__,
+            ts=time.time_ns(), resumed_from_step=self._resume_from,
+            max_line_bytes=self.max_line_bytes,
+        )
+        self._buf_records += 1
+        self._resume_from = None
+        if self.flush_interval > 0 and self._timer is None:
+            self._timer = threading.Thread(target=self._tick, name="eventbus-jsonl-flush",
+                                           daemon=True)
+            self._timer.start()
+        _WRITERS.append(self)
+
+    def _repair_and_resume(self, path: Path) -> None:
+        if self._resume_from is not None:
+            self._truncate_after(self._resume_from)
+            return
+        size = os.fstat(self._fd).st_size  # type: ignore[arg-type]
+        if size == 0:
+            return
+        with open(path, "rb") as f:  # a torn last line would glue onto our header: cut it
+            f.seek(max(0, size - (1 << 16)))
+            tail = f.read()
+        if tail.endswith(b"\n"):
+            return
+        nl = tail.rfind(b"\n")
+        keep = size - len(tail) + nl + 1 if nl >= 0 else (0 if size <= (1 << 16) else None)
+        if keep is None:  # a torn line longer than 64 KiB: scan the whole file
+            self._truncate_after(None)
+            return
+        os.truncate(path, keep)
+        self._n["torn"] += 1
+        get_logger().warning("JSONL log ended with a partial line (a crash mid-write); removed",
+                             path=str(path), bytes_removed=size - keep)
+
+    def _truncate_after(self, step: int | None) -> None:
+        """Keep lines with step <= `step`, and step-less lines before the first later step;
+        drop the rest and a torn last line. `None` only repairs the torn line."""
+        self._write_out()
+        path = self._path
+        if path is None or self._fd is None or not _regular(self._fd):
+            return
+        cut: int | None = None
+        kept_after: list[bytes] = []
+        dropped = 0
+        end = 0
+        torn = False
+        with open(path, "rb") as f:
+            for line in f:
+                if not line.endswith(b"\n"):
+                    torn = True
+                    break
+                s = _step_of(line)
+                if cut is None:
+                    if step is not None and s is not None and s > step:
+                        cut = end
+                        dropped += 1
+                elif s is not None and step is not None and s <= step:
+                    kept_after.append(line)
+                else:
+                    dropped += 1
+                end += len(line)
+        if torn:
+            self._n["torn"] += 1
+            get_logger().warning("JSONL log ended with a partial line (a crash mid-write); "
+                                 "removed", path=str(path))
+        if cut is None:
+            if torn:
+                os.ftruncate(self._fd, end)
+            return
+        if not kept_after:
+            os.ftruncate(self._fd, cut)
+        else:  # lines for earlier steps after the cut (a late eval, a monitor): rewrite
+            tmp = path.with_name(path.name + ".resume-tmp")
+            with open(path, "rb") as src, open(tmp, "wb") as dst:
+                dst.write(src.read(cut))
+                dst.writelines(kept_after)
+                dst.flush()
+                os.fsync(dst.fileno())
+            os.replace(tmp, path)
+            os.close(self._fd)
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        self._n["truncated"] += dropped
+        get_logger().info("JSONL log resumed: later steps removed", path=str(path),
+                          resume_step=step, lines_removed=dropped)
+
+    def _write_out(self) -> None:
+        buf = self._buf
+        if not buf or self._fd is None:
+            return
+        n_lines, n_records = self._buf_lines, self._buf_records
+        data = bytes(buf)
+        buf.clear()
+        self._buf_lines = self._buf_records = 0
+        self._last_write = time.monotonic()
+        if os.getpid() != self._pid:
+            return  # a forked child: the parent owns these lines and this file
+        view = memoryview(data)
+        done = 0
+        try:
+            while done < len(data):
+                done += os.write(self._fd, view[done:])
+        except OSError as e:
+            # Complete lines that made it before the error (records come first in a buffer).
+            written = max(0, data.count(b"\n", 0, done) - n_records)
+            self._fail(e, max(0, n_lines - written))
+            self._n["lines"] += min(written, n_lines)
+            raise JsonlWriteError(
+                e.errno, f"JSONL writer failed: {e.strerror or e} writing {self._path}; "
+                f"{self._n['lost']} events lost so far, later events are not written") from e
+        self._n["lines"] += n_lines
+        self._n["bytes"] += len(data)
+
+    def _fail(self, e: OSError, lost: int) -> None:
+        self._error = e
+        self._n["lost"] += lost
+        get_logger().error(
+            "JSONL writer failed; it writes nothing more in this run",
+            path=str(self._path), error=f"{type(e).__name__}: {e}",
+            disk_full=e.errno in (errno.ENOSPC, errno.EDQUOT), events_lost=lost,
+        )
+
+    def _append_stats(self) -> None:
+        bus_stats: dict[str, Any] | None = None
+        if self._bus is not None and callable(getattr(self._bus, "stats", None)):
+            for _ in range(3):  # other subscribers may still be closing: retry a racy read
+                try:
+                    bus_stats = self._bus.stats().as_dict()
+                    break
+                except RuntimeError:
+                    continue
+        writer = {k: v for k, v in dataclasses.asdict(self.stats()).items() if k != "path"}
+        self._buf += record(STATS_TYPE, ts=time.time_ns(), rank=self.rank or 0,
+                            step=self._last_step, bus=bus_stats, writer=writer)
+        self._buf_records += 1
+        with contextlib.suppress(JsonlWriteError):
+            self._write_out()
+
+    def _skipped(self, ev: Event, reason: str, **info: Any) -> bytes:
+        return record(SKIPPED_TYPE, reason=reason, event_type=type(ev).__name__, step=ev.step,
+                      ts=ev.ts, seq=ev.seq, rank=ev.rank, **info)
+
+    def _close_fd(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+        with contextlib.suppress(ValueError):
+            _WRITERS.remove(self)
+
+    def _tick(self) -> None:
+        """Timer thread (flush_interval > 0): write held lines once they are due."""
+        interval = self.flush_interval
+        while not self._timer_stop.wait(interval / 2):
+            with self._lock:
+                if (self._buf and self._error is None and not self._closed
+                        and time.monotonic() - self._last_write >= interval):
+                    with contextlib.suppress(JsonlWriteError):
+                        self._write_out()
+
+    def _forked(self) -> None:
+        self._buf = bytearray()
+        self._buf_lines = self._buf_records = 0
+        self._lock = threading.RLock()
+
+
+def _regular(fd: int) -> bool:
+    import stat
+
+    return stat.S_ISREG(os.fstat(fd).st_mode)
+
+
+def _step_of(line: bytes) -> int | None:
+    try:
+        d = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return None
+    s = d.get("step") if type(d) is dict else None
+    return s if type(s) is int else None
+
+
+def _warn(msg: str, *, key: Any, **kw: Any) -> None:
+    ok, held = _log_limit.allow(key)
+    if ok:
+        get_logger().warning(msg, suppressed_since_last=held, **kw)
+
+
+def _after_fork_in_child() -> None:
+    for w in list(_WRITERS):
+        w._forked()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,323 @@
+"""TensorBoardSink: events as TensorBoard scalars, histograms and text, written off the loop.
+
+The real `torch.utils.tensorboard.SummaryWriter` runs in this subscriber's worker thread (its
+`on_events` is sync), never on the training thread. It flushes every `flush_secs` (5 s, not
+torch's 120) and at close, so the last scalars of a short run are on disk. One rank writes
+by default: two writers in one directory confuse TensorBoard's reader.
+
+Tags: `{split}/loss` (train/loss), each `Scalars` key as given, `train/lr`, `train/grad_norm`,
+`eval/{metric}`, `memory/{field}`, `perf/step_time_s`, `perf/steps_per_s`,
+`perf/samples_per_s`, `perf/tokens_per_s`, `{kind}/{name}/{stat}` and the histogram
+`{kind}/{name}` for TensorStats, text `run/config`, `divergence/detected` (+ scalar
+`divergence/marker` = 1 at the step), `memory/leak_suspected`, `run/stop`, `run/ended`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import math
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import orjson
+
+from eventbus import Event
+from eventbus._log import get_logger
+from eventbus.events import (
+    CheckpointLoaded,
+    DivergenceDetected,
+    EvalEnded,
+    Loss,
+    MemoryLeakSuspected,
+    MemorySample,
+    OptimizerStepped,
+    RunEnded,
+    RunStarted,
+    Scalars,
+    StepEnded,
+    StopRequested,
+    TensorStats,
+)
+from eventbus.sinks._files import check_writable_dir
+
+__all__ = ["TensorBoardSink"]
+
+_MEMORY_FIELDS = ("rss_mb", "rss_peak_mb", "allocated_mb", "reserved_mb", "peak_allocated_mb",
+                  "alloc_retries", "ooms")
+_TENSOR_STATS = ("norm", "mean", "std", "absmax", "nan_count", "inf_count")
+Scalar = tuple[str, float, int]  # tag, value, step
+
+
+class TensorBoardSink:
+    """Write the event catalogue to TensorBoard under `log_dir` (see the module doc for tags).
+
+    `resume_from_step=N` (or `load_state_dict({"step": N})`, a `CheckpointLoaded`, or a
+    `RunStarted(resumed_from_step=N)`) opens the writer with `purge_step=N + 1`, so steps
+    logged after the checkpoint disappear from TensorBoard. `ranks=None` lets every rank
+    write, each under `log_dir/rank{r}`.
+    """
+
+    events: ClassVar[tuple[type[Event], ...]] = (Event,)
+    policy: ClassVar[str] = "drop_oldest"  # never stall training for a dashboard; drops counted
+    maxsize: ClassVar[int] = 100_000
+    max_batch: ClassVar[int] = 2048
+    ranks: tuple[int, ...] | None = (0,)
+    name: ClassVar[str] = "tensorboard"
+
+    def __init__(
+        self,
+        log_dir: str | os.PathLike[str],
+        *,
+        flush_secs: float = 5.0,
+        resume_from_step: int | None = None,
+        ranks: Iterable[int] | None = (0,),
+        max_queue: int = 1000,
+    ) -> None:
+        if importlib.util.find_spec("tensorboard") is None:
+            raise ImportError(
+                "TensorBoardSink needs the tensorboard package: pip install 'eventbus[tensorboard]'"
+            )
+        if flush_secs <= 0:
+            raise ValueError(f"flush_secs must be > 0 seconds, got {flush_secs!r}")
+        if resume_from_step is not None and not isinstance(resume_from_step, int):
+            raise TypeError(f"resume_from_step must be an int step, got {resume_from_step!r}")
+        if ranks is not None:
+            ranks = tuple(ranks)
+            if not ranks or not all(isinstance(r, int) for r in ranks):
+                raise ValueError(f"ranks must be a non-empty tuple of ints or None, got {ranks!r}")
+        self.ranks: tuple[int, ...] | None = ranks
+        self.log_dir = check_writable_dir(Path(log_dir), "TensorBoardSink")
+        self.flush_secs = flush_secs
+        self.max_queue = max_queue
+        self._purge_step = None if resume_from_step is None else resume_from_step + 1
+        self._writers: dict[int, Any] = {}
+        self._bus_rank = 0
+        self._last_step: dict[int, int] = {}
+        self._last_step_end: dict[int, int] = {}  # rank -> ts of the previous StepEnded
+
+    # -- subscriber hooks (run in this subscriber's worker thread) ---------------------------
+
+    def on_start(self, bus: Any = None) -> None:
+        """Import the writer here, off the training thread (torch.utils.tensorboard is slow)."""
+        if bus is not None:
+            self._bus_rank = bus.rank
+        import torch.utils.tensorboard  # noqa: F401
+
+    def on_events(self, batch: list[Event]) -> None:
+        """Write each event's scalars, histograms and text."""
+        for ev in batch:
+            rank = self._bus_rank if ev.rank is None else ev.rank
+            if self.ranks is not None and rank not in self.ranks:
+                continue  # replaying several ranks' logs: only the chosen ranks write
+            self._write(ev, rank)
+
+    def on_flush(self) -> None:
+        """Flush every open writer to disk."""
+        for w in self._writers.values():
+            w.flush()
+
+    def on_close(self) -> None:
+        """Flush and close the writers: the last events of the run are on disk after this."""
+        writers, self._writers = self._writers, {}
+        for w in writers.values():
+            w.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The last step written (a checkpoint's resume point)."""
+        return {"step": max(self._last_step.values(), default=None)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at `state["step"]`: later steps are purged from TensorBoard."""
+        step = state.get("step")
+        if step is not None:
+            self._resume(int(step))
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def _resume(self, step: int) -> None:
+        """Reopen with `purge_step=step + 1` (TensorBoard hides what was logged after it)."""
+        purge = step + 1
+        if self._purge_step == purge and not self._writers:
+            return
+        self._purge_step = purge
+        writers, self._writers = self._writers, {}
+        for w in writers.values():
+            w.close()
+        for r, s in list(self._last_step.items()):
+            self._last_step[r] = min(s, step)
+
+    def _writer(self, rank: int) -> Any:
+        w = self._writers.get(rank)
+        if w is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            single = self.ranks is not None and len(self.ranks) == 1
+            d = self.log_dir if single else self.log_dir / f"rank{rank}"
+            w = SummaryWriter(str(d), purge_step=self._purge_step, flush_secs=self.flush_secs,
+                              max_queue=self.max_queue)
+            self._writers[rank] = w
+        return w
+
+    def _write(self, ev: Event, rank: int) -> None:
+        t = type(ev)
+        if t is CheckpointLoaded and ev.step is not None:
+            self._resume(ev.step)
+            return
+        if t is RunStarted and ev.resumed_from_step is not None:  # type: ignore[attr-defined]
+            self._resume(ev.resumed_from_step)  # type: ignore[attr-defined]
+        step = ev.step
+        if step is None:
+            step = self._last_step.get(rank, 0)
+        elif step > self._last_step.get(rank, -1):
+            self._last_step[rank] = step
+        wall = ev.ts / 1e9 if ev.ts is not None else None
+        scalars = list(_scalars(ev, step, self._last_step_end, rank))
+        texts = list(_texts(ev, step))
+        hist = _histogram(ev) if t is TensorStats else None
+        if not (scalars or texts or hist):
+            return
+        w = self._writer(rank)
+        for tag, value, s in scalars:
+            w.add_scalar(tag, value, s, walltime=wall)
+        for tag, text in texts:
+            w.add_text(tag, text, step, walltime=wall)
+        if hist is not None:
+            tag = f"{ev.kind}/{ev.name}" if ev.name else ev.kind  # type: ignore[attr-defined]
+            if hist[0] == "raw":
+                w.add_histogram_raw(tag, global_step=step, walltime=wall, **hist[1])
+            else:
+                w.add_histogram(tag, hist[1], step, walltime=wall)
+
+
+def _num(v: Any) -> float | None:
+    """A plain float from a number or a one-element CPU tensor (already on the host)."""
+    if v is None or isinstance(v, bool):
+        return None
+    if isinstance(v, int | float):
+        return float(v)
+    if hasattr(v, "numel") and v.numel() == 1:
+        return float(v.item())  # a CPU tensor (captured at publish): no device sync here
+    return None
+
+
+def _scalars(ev: Event, step: int, step_end: dict[int, int], rank: int) -> Iterator[Scalar]:
+    t = type(ev)
+    if t is Loss:
+        v = _num(ev.value)  # type: ignore[attr-defined]
+        if v is not None:
+            yield f"{ev.split}/loss", v, step  # type: ignore[attr-defined]
+    elif isinstance(ev, Scalars):
+        yield from _named(ev.values.items(), "", step)
+    elif t is OptimizerStepped:
+        yield from _named((("lr", ev.lr), ("grad_norm", ev.grad_norm)),  # type: ignore[attr-defined]
+                          "train/", step)
+    elif t is EvalEnded:
+        yield from _named(ev.metrics.items(), "eval/", step)  # type: ignore[attr-defined]
+    elif t is MemorySample:
+        yield from _named(((f, getattr(ev, f)) for f in _MEMORY_FIELDS), "memory/", step)
+    elif t is MemoryLeakSuspected:
+        yield from _named((("leak_rate_mb_per_step", ev.rate_mb_per_step),),  # type: ignore[attr-defined]
+                          "memory/", step)
+    elif t is StepEnded:
+        yield from _throughput(ev, step, step_end, rank)
+    elif t is TensorStats:
+        base = f"{ev.kind}/{ev.name}/" if ev.name else f"{ev.kind}/"  # type: ignore[attr-defined]
+        yield from _named(((f, getattr(ev, f)) for f in _TENSOR_STATS), base, step)
+    elif t is DivergenceDetected:
+        yield "divergence/marker", 1.0, step
+
+
+def _named(items: Iterable[tuple[str, Any]], prefix: str, step: int) -> Iterator[Scalar]:
+    for k, v in items:
+        x = _num(v)
+        if x is not None:  # zero is a value: only None (unknown) is skipped
+            yield f"{prefix}{k}", x, step
+
+
+def _throughput(ev: Any, step: int, step_end: dict[int, int], rank: int) -> Iterator[Scalar]:
+    dur = _num(ev.duration_s)
+    prev = step_end.get(rank)
+    if ev.ts is not None:
+        step_end[rank] = ev.ts
+        if dur is None and prev is not None and ev.ts > prev:
+            dur = (ev.ts - prev) / 1e9  # no duration given: the time since the last step
+    if dur is None or dur <= 0 or not math.isfinite(dur):
+        return
+    yield "perf/step_time_s", dur, step
+    yield "perf/steps_per_s", 1.0 / dur, step
+    for name in ("samples", "tokens"):
+        n = _num(getattr(ev, name))
+        if n is not None:
+            yield f"perf/{name}_per_s", n / dur, step
+
+
+def _texts(ev: Event, step: int) -> Iterator[tuple[str, str]]:
+    t = type(ev)
+    if t is RunStarted:
+        info = {"run_id": ev.run_id, "total_steps": ev.total_steps,  # type: ignore[attr-defined]
+                "world_size": ev.world_size,  # type: ignore[attr-defined]
+                "resumed_from_step": ev.resumed_from_step}  # type: ignore[attr-defined]
+        yield "run/config", _code(ev.config)  # type: ignore[attr-defined]
+        yield "run/info", _code({k: v for k, v in info.items() if v is not None})
+    elif t is DivergenceDetected:
+        yield "divergence/detected", (
+            f"**step {ev.step}**: {ev.metric} = {ev.value} "  # type: ignore[attr-defined]
+            f"(baseline {ev.baseline}): {ev.reason}")  # type: ignore[attr-defined]
+    elif t is MemoryLeakSuspected:
+        yield "memory/leak_suspected", (
+            f"**step {ev.step}**: {ev.metric} growing "  # type: ignore[attr-defined]
+            f"{ev.rate_mb_per_step:.3f} MB/step over {ev.window} steps")  # type: ignore[attr-defined]
+    elif t is StopRequested:
+        kind = "abort" if ev.abort else "stop"  # type: ignore[attr-defined]
+        yield "run/stop", f"**{kind}** at step {step} by {ev.source}: {ev.reason}"  # type: ignore[attr-defined]
+    elif t is RunEnded:
+        yield "run/ended", f"**{ev.status}** at step {step}: {ev.reason or ''}"  # type: ignore[attr-defined]
+
+
+def _code(obj: Any) -> str:
+    try:
+        body = orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS,
+                            default=str).decode()
+    except TypeError:
+        body = repr(obj)
+    return "```\n" + body + "\n```"
+
+
+def _histogram(ev: Any) -> tuple[str, Any] | None:
+    """("raw", add_histogram_raw kwargs) for counts + edges, ("values", x) for raw values."""
+    h = ev.histogram
+    if h is None:
+        return None
+    counts: Any = None
+    edges: Any = None
+    if isinstance(h, dict):
+        counts = h.get("counts")
+        edges = h.get("edges", h.get("bin_edges", h.get("bins")))
+    elif isinstance(h, tuple | list) and len(h) == 2 and all(_seq(x) for x in h):
+        counts, edges = h
+    if counts is None or edges is None:
+        return ("values", h) if _seq(h) else None
+    c = [float(x) for x in _tolist(counts)]
+    e = [float(x) for x in _tolist(edges)]
+    if len(e) != len(c) + 1 or not c:
+        get_logger().warning("TensorStats.histogram ignored: need len(edges) == len(counts) + 1",
+                             name=ev.name, counts=len(c), edges=len(e))
+        return None
+    centers = [(a + b) / 2 for a, b in itertools.pairwise(e)]
+    return ("raw", {
+        "min": e[0], "max": e[-1], "num": sum(c),
+        "sum": sum(n * x for n, x in zip(c, centers, strict=True)),
+        "sum_squares": sum(n * x * x for n, x in zip(c, centers, strict=True)),
+        "bucket_limits": e[1:], "bucket_counts": c,
+    })
+
+
+def _seq(x: Any) -> bool:
+    return isinstance(x, list | tuple) or hasattr(x, "tolist")
+
+
+def _tolist(x: Any) -> list[Any]:
+    return list(x.tolist()) if hasattr(x, "tolist") else list(x)
