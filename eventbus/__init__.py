@@ -9,6 +9,7 @@ from eventbus.bus import EventBus, Subscription
 from eventbus.codec import EventDecodeError, EventEncodeError
 from eventbus.control import AbortRequested, Control
 from eventbus.events import Event
+from eventbus.replay import replay
 from eventbus.stats import BusStats, SubscriberStats
 from eventbus.subscriber import Subscriber
 
@@ -25,6 +26,7 @@ __all__ = [
     "Subscription",
     "get_bus",
     "register_global",
+    "replay",
     "set_bus",
 ]
 
