@@ -1,0 +1,485 @@
+"""`MemoryProfiler`: per-step memory from the bus side, leak suspicion, OOM snapshots.
+
+It runs as a subscriber (a sync one: its own worker thread, off the event loop) and never
+touches the training thread. When it handles `StepEnded(step=N)` it reads process RSS and,
+with CUDA, the caching allocator's host-side counters (allocated, reserved, peak since the
+last reading, which it then resets; allocation retries; OOMs). None of that syncs the device.
+
+The reading is taken when the event is *handled*, `lag_s` after the step ended (the bus
+drains every few ms): the training thread may already be in step N+1. `peak_allocated_mb`
+therefore covers the time between two readings (no peak is ever lost, one at a step boundary
+may be counted in the next step), and `allocated_mb` may include step N+1's first tensors.
+For exact per-step figures call `profiler.snapshot(step)` on the training thread at the step's
+end (a host-side read, ~tens of us): it publishes `MemorySample(source="training")`, which
+the profiler then uses instead of reading late. See docs/monitors.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from eventbus._log import get_logger
+from eventbus.events import (
+    BackwardEnded,
+    Event,
+    ForwardEnded,
+    MemoryLeakSuspected,
+    MemorySample,
+    MemorySnapshotSaved,
+    OptimizerStepped,
+    Scalars,
+    StepEnded,
+)
+from eventbus.monitors._leak_rule import LeakRule, LeakVerdict
+from eventbus.monitors._memory_read import (
+    MB,
+    CudaReader,
+    CudaReading,
+    cuda_initialized,
+    resolve_cuda_device,
+    rss_bytes,
+    rss_peak_bytes,
+)
+
+__all__ = ["MemoryProfiler"]
+
+_PHASES: dict[type[Event], str] = {
+    ForwardEnded: "forward",
+    BackwardEnded: "backward",
+    OptimizerStepped: "optimizer",
+}
+_START_WAIT_S = 2.0
+_UNAVAILABLE = (
+    "CUDA memory snapshots are unavailable: CUDA is not available in this process "
+    "(record_history needs a CUDA build of torch and a visible GPU)"
+)
+
+
+def _due(step: int, last: int | None, every: int) -> bool:
+    """Publish at multiples of `every`; a step that jumped past one (readings coalesced) is
+    due too, and so is any step after the steps went back (a resume)."""
+    if last is None or step < last:
+        return step % every == 0 or every == 1
+    return step // every > last // every
+
+
+class _Reading:
+    """One point of the run: RSS and, with CUDA, the allocator counters (MB)."""
+
+    __slots__ = (
+        "alloc_retries",
+        "allocated",
+        "ooms",
+        "peak_allocated",
+        "reserved",
+        "rss",
+        "step",
+    )
+
+    def __init__(self, step: int, rss: float, cuda: CudaReading | None) -> None:
+        self.step = step
+        self.rss = rss
+        self.allocated = cuda.allocated / MB if cuda else None
+        self.reserved = cuda.reserved / MB if cuda else None
+        self.peak_allocated = cuda.peak_allocated / MB if cuda else None
+        self.alloc_retries = cuda.alloc_retries if cuda else None
+        self.ooms = cuda.ooms if cuda else None
+
+
+class MemoryProfiler:
+    """Per-step RSS and CUDA allocator figures as `MemorySample`s, leak suspicion, OOM dumps.
+
+    `every`: publish a per-step sample at most every N steps (every step is still read and
+    fed to the leak rule). `leak_window`/`leak_min_growth_mb`/`leak_cooldown` tune the leak
+    rule (see `eventbus.monitors._leak_rule`). `record_history=True` records the allocator's
+    history (bounded by `max_entries`) so an OOM dumps a snapshot under `snapshot_dir`.
+    """
+
+    events: ClassVar[tuple[type[Event], ...]] = (
+        StepEnded, ForwardEnded, BackwardEnded, OptimizerStepped, MemorySample,
+    )
+    policy: ClassVar[str] = "drop_oldest"
+    maxsize: ClassVar[int] = 4096
+    name = "memory"
+
+    def __init__(
+        self,
+        *,
+        every: int = 1,
+        device: int | str | torch.device | None = None,
+        reset_peak: bool = True,
+        leak_window: int = 100,
+        leak_min_growth_mb: float = 32.0,
+        leak_cooldown: int | None = None,
+        leak_warmup: int = 10,
+        record_history: bool = False,
+        max_entries: int = 100_000,
+        snapshot_dir: str | os.PathLike[str] = "memory_snapshots",
+    ) -> None:
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be a positive int (publish every N steps), got {every!r}")
+        if not isinstance(max_entries, int) or max_entries < 1:
+            raise ValueError(f"max_entries must be a positive int, got {max_entries!r}")
+        self.every = every
+        self.reset_peak = reset_peak
+        self.record_history = record_history
+        self.max_entries = max_entries
+        self.snapshot_dir = Path(snapshot_dir)
+        self._device_arg = device
+        # The device of the constructing (training) thread, if CUDA is up already: the bus
+        # thread's current device is always 0. is_initialized() is a Python flag.
+        if device is None and cuda_initialized():
+            self._device_arg = torch.cuda.current_device()
+        self._rules = {
+            m: LeakRule(window=leak_window, min_growth_mb=leak_min_growth_mb,
+                        cooldown=leak_cooldown, warmup=leak_warmup)
+            for m in ("rss_mb", "allocated_mb")
+        }
+        self._bus: Any = None
+        self._cuda: CudaReader | None = None
+        self._device_name: str = "cpu"
+        self._lock = threading.Lock()  # training thread (OOM, snapshot) vs the worker thread
+        self._started = threading.Event()  # set once on_start decided about CUDA
+        self._recording = False
+        self._dumped_ooms = 0  # the allocator's num_ooms when we last dumped
+        self._snapshots: list[str] = []
+        self._training_source = False  # training-thread snapshots seen: stop reading late
+        self._train_phase_peak = 0.0  # snapshot(): phase peaks since the last step snapshot
+        self._phase_peaks: dict[str, float] = {}
+        self._last_published: int | None = None
+        self._first: _Reading | None = None
+        self._last: _Reading | None = None
+        self._peak_rss: tuple[float, int] | None = None
+        self._peak_alloc: tuple[float, int] | None = None
+        self._peak_reserved: tuple[float, int] | None = None
+        self._readings = 0
+        self._coalesced = 0
+        self._leaks: list[LeakVerdict] = []
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def on_start(self, bus: Any) -> None:
+        """Decide once whether CUDA is watched; start history recording when asked."""
+        self._bus = bus
+        try:
+            self._decide_cuda(bus)
+        finally:
+            self._started.set()
+
+    def _decide_cuda(self, bus: Any) -> None:
+        if torch.cuda.is_available():  # ~1.6 us a call: decided once, here
+            index = resolve_cuda_device(self._device_arg, getattr(bus, "local_rank", 0))
+            self._cuda = CudaReader(index)
+            self._device_name = f"cuda:{index}"
+            if self.record_history:
+                self._start_history(index)
+        elif self.record_history:
+            get_logger().warning(_UNAVAILABLE, monitor="MemoryProfiler")
+        elif self._device_arg is not None:
+            get_logger().warning("MemoryProfiler(device=...) ignored: CUDA is not available",
+                                 device=str(self._device_arg))
+
+    def on_events(self, batch: list[Event]) -> None:
+        """Read memory for the newest step (and phase) events; publish samples and leaks."""
+        last_step_i = max((i for i, ev in enumerate(batch) if type(ev) is StepEnded),
+                          default=-1)
+        last_i = len(batch) - 1
+        for i, ev in enumerate(batch):
+            cls = type(ev)
+            if isinstance(ev, MemorySample):
+                if ev.source == "training":
+                    self._take_training(ev)
+            elif self._training_source:
+                continue
+            elif isinstance(ev, StepEnded):
+                if i == last_step_i:
+                    self._on_step_end(ev)
+                else:
+                    self._coalesced += 1  # a later step is in this batch: read once, for it
+            elif i == last_i:  # a phase read is only meaningful if nothing came after it
+                phase = _PHASES.get(cls) or next(
+                    (p for c, p in _PHASES.items() if issubclass(cls, c)), None)
+                if phase is not None:
+                    self._on_phase_end(ev, phase)
+
+    def on_close(self) -> None:
+        """Dump a snapshot if an OOM slipped past us, stop recording, publish the summary."""
+        self._maybe_dump_missed_oom()
+        if self._recording:
+            self._recording = False
+            with contextlib.suppress(Exception):
+                torch.cuda.memory._record_memory_history(enabled=None)
+        self._publish_summary()
+
+    # -- readings ----------------------------------------------------------------------
+
+    def _read(self, step: int, *, reset_peak: bool) -> _Reading:
+        cuda = self._cuda.read(reset_peak=reset_peak) if self._cuda is not None else None
+        return _Reading(step, rss_bytes() / MB, cuda)
+
+    def _on_phase_end(self, ev: Event, phase: str) -> None:
+        if self._cuda is None or ev.step is None:
+            return
+        # Host-side allocator counters: no device sync (see _memory_read).
+        cuda = self._cuda.read(reset_peak=self.reset_peak)
+        if cuda is not None:
+            self._phase_peaks[phase] = cuda.peak_allocated / MB
+
+    def _on_step_end(self, ev: Event) -> None:
+        if ev.step is None:
+            return
+        r = self._read(ev.step, reset_peak=self.reset_peak)
+        lag = max(0.0, (time.time_ns() - ev.ts) / 1e9) if ev.ts is not None else None
+        phases, self._phase_peaks = self._phase_peaks, {}
+        if r.peak_allocated is not None and phases:
+            r.peak_allocated = max(r.peak_allocated, *phases.values())
+        self._record(r, source="bus", lag_s=lag, phases=phases)
+
+    def _take_training(self, ev: MemorySample) -> None:
+        """A snapshot taken on the training thread: the exact figures for its step."""
+        if ev.step is None:
+            return
+        if ev.phase not in (None, "step"):
+            self._phase_peaks[ev.phase] = ev.peak_allocated_mb or 0.0
+            return
+        self._training_source = True
+        r = _Reading(ev.step, ev.rss_mb or 0.0, None)
+        r.allocated, r.reserved = ev.allocated_mb, ev.reserved_mb
+        r.peak_allocated, r.alloc_retries, r.ooms = ev.peak_allocated_mb, ev.alloc_retries, ev.ooms
+        self._phase_peaks = {}  # snapshot() already folded the phase peaks into the step's
+        self._record(r, source=None, lag_s=0.0, phases={})  # already on the bus: no re-publish
+
+    def _record(self, r: _Reading, *, source: str | None, lag_s: float | None,
+                phases: dict[str, float]) -> None:
+        self._readings += 1
+        if self._first is None:
+            self._first = r
+        self._last = r
+        if self._peak_rss is None or r.rss > self._peak_rss[0]:
+            self._peak_rss = (r.rss, r.step)
+        if r.peak_allocated is not None and (
+                self._peak_alloc is None or r.peak_allocated > self._peak_alloc[0]):
+            self._peak_alloc = (r.peak_allocated, r.step)
+        if r.reserved is not None and (
+                self._peak_reserved is None or r.reserved > self._peak_reserved[0]):
+            self._peak_reserved = (r.reserved, r.step)
+        if r.ooms:
+            self._maybe_dump_missed_oom(r.ooms)
+        if source is not None and _due(r.step, self._last_published, self.every):
+            self._last_published = r.step
+            self._publish_sample(r, source=source, lag_s=lag_s, phases=phases)
+        self._check_leaks(r)
+
+    def _publish_sample(self, r: _Reading, *, source: str, lag_s: float | None,
+                        phases: dict[str, float]) -> None:
+        peak = rss_peak_bytes()
+        for phase, mb in phases.items():
+            self._publish(MemorySample(step=r.step, phase=phase, peak_allocated_mb=mb,
+                                       device=self._device_name, source=source, lag_s=lag_s))
+        self._publish(MemorySample(
+            step=r.step, phase="step", rss_mb=r.rss,
+            rss_peak_mb=max(r.rss, self._peak_rss[0] if self._peak_rss else 0.0,
+                            peak / MB if peak is not None else 0.0),
+            allocated_mb=r.allocated, reserved_mb=r.reserved, peak_allocated_mb=r.peak_allocated,
+            alloc_retries=r.alloc_retries, ooms=r.ooms, device=self._device_name,
+            source=source if self._cuda is not None else None, lag_s=lag_s,
+        ))
+
+    def _check_leaks(self, r: _Reading) -> None:
+        for metric, value in (("rss_mb", r.rss), ("allocated_mb", r.allocated)):
+            if value is None:
+                continue
+            v = self._rules[metric].update(r.step, value)
+            if v is None:
+                continue
+            self._leaks.append(v)
+            get_logger().warning(
+                "memory grows steadily: leak suspected", metric=metric, step=v.step,
+                rate_mb_per_step=round(v.rate_mb_per_step, 3), growth_mb=round(v.growth_mb, 1),
+                window=v.window,
+            )
+            self._publish(MemoryLeakSuspected(step=v.step, rate_mb_per_step=v.rate_mb_per_step,
+                                              window=v.window, metric=metric))
+
+    def _publish_summary(self) -> None:
+        first, last = self._first, self._last
+        if first is None or last is None:
+            return
+        peak_rss, peak_rss_step = self._peak_rss or (last.rss, last.step)
+        hwm = rss_peak_bytes()
+        values: dict[str, Any] = {
+            "memory/steps_read": self._readings,
+            "memory/peak_rss_mb": peak_rss,
+            "memory/peak_rss_step": peak_rss_step,
+            "memory/rss_growth_mb": last.rss - first.rss,
+            "memory/leaks_suspected": len(self._leaks),
+        }
+        if hwm is not None:
+            values["memory/rss_hwm_mb"] = hwm / MB
+        if self._peak_alloc is not None:
+            values["memory/peak_allocated_mb"] = self._peak_alloc[0]
+            values["memory/peak_allocated_step"] = self._peak_alloc[1]
+        if self._peak_reserved is not None:
+            values["memory/peak_reserved_mb"] = self._peak_reserved[0]
+            values["memory/peak_reserved_step"] = self._peak_reserved[1]
+        if first.allocated is not None and last.allocated is not None:
+            values["memory/allocated_growth_mb"] = last.allocated - first.allocated
+        if first.reserved is not None and last.reserved is not None:
+            values["memory/reserved_growth_mb"] = last.reserved - first.reserved
+        if last.ooms is not None:
+            values["memory/ooms"] = last.ooms
+            values["memory/alloc_retries"] = last.alloc_retries
+        if self._snapshots:
+            values["memory/snapshots_saved"] = len(self._snapshots)
+        self._publish(MemorySample(
+            step=last.step, phase="summary", rss_mb=last.rss,
+            rss_peak_mb=max(peak_rss, hwm / MB if hwm is not None else 0.0),
+            allocated_mb=last.allocated, reserved_mb=last.reserved,
+            peak_allocated_mb=self._peak_alloc[0] if self._peak_alloc else None,
+            alloc_retries=last.alloc_retries, ooms=last.ooms, device=self._device_name,
+        ))
+        self._publish(Scalars(step=last.step, values=values))
+
+    def _publish(self, ev: Event) -> None:
+        if self._bus is not None:
+            self._bus.publish(ev)
+
+    # -- on the training thread ----------------------------------------------------------
+
+    def snapshot(self, step: int, *, phase: str = "step") -> MemorySample:
+        """Read memory now, on the calling (training) thread, and publish it as the exact
+        figures of `step` (`phase`: "step" at the step's end, or "forward"/"backward"/
+        "optimizer"). Host-side reads only (~tens of us): never syncs the device."""
+        # on_start runs on the bus side just after `bus.start()` returns: wait for it once.
+        if not self._started.is_set() and not self._started.wait(_START_WAIT_S):
+            raise RuntimeError("MemoryProfiler.snapshot(): subscribe the profiler to a started "
+                               "bus first (bus.subscribe(profiler); with bus: ...)")
+        # Host-side allocator counters: no device sync (see _memory_read).
+        cuda = self._cuda.read(reset_peak=self.reset_peak) if self._cuda is not None else None
+        peak_mb = cuda.peak_allocated / MB if cuda else None
+        if phase == "step":
+            if peak_mb is not None:  # the step's peak is also that of its phases
+                peak_mb = max(peak_mb, self._train_phase_peak)
+            self._train_phase_peak = 0.0
+            peak = rss_peak_bytes()
+            rss = rss_bytes() / MB
+            ev = MemorySample(
+                step=step, phase="step", rss_mb=rss,
+                rss_peak_mb=max(rss, peak / MB) if peak is not None else rss,
+                allocated_mb=cuda.allocated / MB if cuda else None,
+                reserved_mb=cuda.reserved / MB if cuda else None,
+                peak_allocated_mb=peak_mb,
+                alloc_retries=cuda.alloc_retries if cuda else None,
+                ooms=cuda.ooms if cuda else None,
+                device=self._device_name, source="training", lag_s=0.0,
+            )
+        else:
+            if peak_mb is not None:
+                self._train_phase_peak = max(self._train_phase_peak, peak_mb)
+            ev = MemorySample(step=step, phase=phase, device=self._device_name,
+                              peak_allocated_mb=peak_mb, source="training", lag_s=0.0)
+        self._bus.publish(ev)
+        return ev
+
+    # -- OOM snapshots -------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def oom_guard(self) -> Iterator[None]:
+        """`with profiler.oom_guard():` — on `torch.OutOfMemoryError`, dump a memory snapshot
+        (with `record_history=True` and CUDA), publish `MemorySnapshotSaved`, re-raise."""
+        try:
+            yield
+        except torch.OutOfMemoryError:
+            if self._cuda is None or not self._recording:
+                get_logger().warning(
+                    _UNAVAILABLE if self._cuda is None and self._bus is not None
+                    else "no memory snapshot written on OOM: pass MemoryProfiler("
+                         "record_history=True) and subscribe it to a started bus",
+                    monitor="MemoryProfiler",
+                )
+            else:
+                self.dump_snapshot("oom")
+            raise
+
+    def dump_snapshot(self, reason: str) -> str | None:
+        """Write the allocator's recorded history to a file, publish its path; None without
+        CUDA or history recording. Safe from any thread."""
+        if self._cuda is None or not self._recording:
+            return None
+        with self._lock:
+            # Host-side allocator counter: no device sync.
+            ooms = int(torch.cuda.memory_stats_as_nested_dict(self._cuda.device)
+                       .get("num_ooms", 0))
+            if reason == "oom" and ooms <= self._dumped_ooms and self._snapshots:
+                return self._snapshots[-1]  # the OOM observer already dumped this one
+            self.snapshot_dir.mkdir(parents=True, exist_ok=True)
+            path = self.snapshot_dir / (
+                f"memory_snapshot_{reason}_rank{getattr(self._bus, 'rank', 0)}_"
+                f"{time.strftime('%Y%m%d-%H%M%S')}_{len(self._snapshots)}.pickle")
+            # Pickles the allocator's host-side records: no device sync.
+            torch.cuda.memory._dump_snapshot(str(path))  # type: ignore[no-untyped-call]
+            self._dumped_ooms = max(self._dumped_ooms, ooms)
+            self._snapshots.append(str(path))
+        get_logger().warning("CUDA memory snapshot written", path=str(path), reason=reason,
+                             view="https://pytorch.org/memory_viz")
+        self._publish(MemorySnapshotSaved(path=str(path), reason=reason,
+                                          step=self._last.step if self._last else None))
+        return str(path)
+
+    @property
+    def snapshots(self) -> list[str]:
+        """Paths of the snapshot files written so far."""
+        return list(self._snapshots)
+
+    def _start_history(self, index: int) -> None:
+        # Host-side: turns on stack recording in the allocator (bounded ring of entries).
+        torch.cuda.memory._record_memory_history(max_entries=self.max_entries, device=index)
+        self._recording = True
+        attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+        if attach is not None:
+            # Called by the allocator on the thread that ran out of memory, before it raises
+            # (its lock released): the snapshot shows the state at the OOM itself. There is
+            # no detach; a weak reference lets a finished profiler go.
+            ref = weakref.ref(self)
+
+            def observer(device: int, alloc: int, device_alloc: int, device_free: int) -> None:
+                prof = ref()
+                if prof is not None and prof._recording and device == index:
+                    with contextlib.suppress(Exception):  # never mask the OOM itself
+                        prof.dump_snapshot("oom")
+
+            attach(observer)
+
+    def _maybe_dump_missed_oom(self, ooms: int | None = None) -> None:
+        """An OOM the observer and `oom_guard` did not see (e.g. raised inside `with bus:`
+        with no guard on an older torch): dump what the history still holds."""
+        if not self._recording or self._cuda is None:
+            return
+        if ooms is None:
+            # Host-side allocator counter: no device sync.
+            ooms = int(torch.cuda.memory_stats_as_nested_dict(self._cuda.device)
+                       .get("num_ooms", 0))
+        if ooms > self._dumped_ooms:
+            with contextlib.suppress(Exception):
+                self.dump_snapshot("oom")
+
+    # -- checkpoints ---------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Leak-rule windows, so a resumed run keeps its evidence."""
+        return {"leak_rules": {m: r.state_dict() for m, r in self._rules.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
+        for m, s in state.get("leak_rules", {}).items():
+            if m in self._rules:
+                self._rules[m].load_state_dict(s)
