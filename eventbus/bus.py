@@ -32,6 +32,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from eventbus._log import get_logger
+from eventbus.agreement import StopAgreement
 from eventbus.capture import FIELDS as _CAPTURABLE
 from eventbus.capture import PLAIN as _PLAIN
 from eventbus.capture import capturable_fields, capture_event, pending_of, resolve
@@ -152,11 +153,14 @@ class EventBus:
         rank: int | None = None,
         world_size: int | None = None,
         name: str = "eventbus",
+        stop_check_every: int = 1,
     ) -> None:
         if drain_interval <= 0:
             raise ValueError(f"drain_interval must be > 0 seconds, got {drain_interval!r}")
         if inbox_maxsize < 2:
             raise ValueError(f"inbox_maxsize must be >= 2, got {inbox_maxsize!r}")
+        if not isinstance(stop_check_every, int) or stop_check_every < 1:
+            raise ValueError(f"stop_check_every must be an int >= 1, got {stop_check_every!r}")
         info = rank_info()
         self.rank = info.rank if rank is None else rank
         self.local_rank = info.local_rank
@@ -167,6 +171,8 @@ class EventBus:
         self.handle_signals = handle_signals
         self.max_consecutive_failures = max_consecutive_failures
         self.control = Control(self.publish)
+        if self.world_size > 1:  # should_stop agreed by all ranks (one small all_reduce)
+            self.control.agree = StopAgreement(self.control, every=stop_check_every)
 
         self._inbox: deque[Any] = deque()
         self._inbox_maxsize = inbox_maxsize
@@ -389,6 +395,8 @@ class EventBus:
             from eventbus.process import ProcessSubscriber
         except ImportError:
             raise NotImplementedError("placement='process' is not available yet") from None
+        if isinstance(sub, ProcessSubscriber):
+            return sub  # already one (built from configuration)
         return ProcessSubscriber(sub, events=types)
 
     def _unique(self, base: str) -> str:
