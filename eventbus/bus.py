@@ -40,6 +40,7 @@ from eventbus.control import Control
 from eventbus.dist import rank_info
 from eventbus.events import Event
 from eventbus.stats import BusStats, SubscriberStats
+from eventbus.steps import PhaseScope, StepScope
 from eventbus.subscription import POLICIES, Runner, describe
 
 __all__ = ["EventBus", "Subscription"]
@@ -251,6 +252,17 @@ class EventBus:
                 self._wake()
                 await anyio.sleep(0.001)
         self.publish(ev)
+
+    def step(self, step: int, *, samples: Any = None, tokens: Any = None) -> StepScope:
+        """`with bus.step(n, samples=, tokens=)`: StepStarted, then StepEnded with duration_s.
+
+        Host wall time (perf_counter), never a device sync; see `eventbus.steps`.
+        """
+        return StepScope(self, step, samples=samples, tokens=tokens)
+
+    def phase(self, name: str, *, step: int | None = None, **fields: Any) -> PhaseScope:
+        """`with bus.phase("forward" | "backward" | "optimizer")`: its *Ended event at the end."""
+        return PhaseScope(self, name, step, **fields)
 
     def _full(self) -> bool:
         return len(self._inbox) >= self._inbox_maxsize
@@ -685,9 +697,11 @@ class EventBus:
             cls = type(item)
             if cls is _Captured:
                 ev = item.ev
+                delay = 0.0001
                 for p in pending_of(ev):
                     while not p.ready():  # a device->host copy still in flight: poll
-                        await anyio.sleep(0.0002)
+                        await anyio.sleep(delay)  # backing off: each wake takes the GIL
+                        delay = min(delay * 2, self.drain_interval)
                 resolve(ev)
                 item, cls = ev, type(ev)
             elif cls in _CONTROL:

@@ -1,0 +1,169 @@
+"""Step and phase scopes for custom loops: the standard events without boilerplate.
+
+    with bus.step(step, samples=len(batch)) as s:      # StepStarted(step)
+        with bus.phase("forward"):                     # ForwardEnded(step, duration_s)
+            loss = model(batch)
+        with bus.phase("backward"):                    # BackwardEnded(step, duration_s)
+            loss.backward()
+        with bus.phase("optimizer") as ph:             # OptimizerStepped(step, lr, grad_norm,
+            ph.set(grad_norm=clip_grad_norm_(params, 1.0))  #   duration_s)
+            opt.step()
+        s.tokens = n_tokens                            # StepEnded(step, duration_s, samples,
+                                                       #   tokens)
+
+Durations are host wall time (`time.perf_counter`): CUDA kernels may still run when a scope
+ends, and nothing here synchronises the device to wait for them. A scope left by an exception
+publishes no end event. Subscribers that want more at these boundaries (a MemoryProfiler
+reading allocator statistics) react to these events on the bus side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import weakref
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from eventbus.events import (
+    BackwardEnded,
+    Event,
+    ForwardEnded,
+    OptimizerStepped,
+    StepEnded,
+    StepStarted,
+)
+
+if TYPE_CHECKING:
+    from eventbus.bus import EventBus
+
+__all__ = ["PHASES", "PhaseScope", "StepScope", "current_step"]
+
+PHASES: dict[str, type[Event]] = {
+    "forward": ForwardEnded,
+    "backward": BackwardEnded,
+    "optimizer": OptimizerStepped,
+}
+"""Phase name -> the event its scope publishes when it ends."""
+
+# bus -> steps of the `bus.step` scopes open now (innermost last).
+_OPEN: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
+
+
+def current_step(bus: EventBus) -> int | None:
+    """The step of the innermost open `bus.step(...)` scope, or None."""
+    open_ = _OPEN.get(bus)
+    return open_[-1] if open_ else None
+
+
+def _check_count(name: str, v: Any) -> None:
+    if v is None or (type(v) is int and v >= 0) or hasattr(v, "dtype"):
+        return  # an int, or a tensor (captured at publish, never read here)
+    raise TypeError(f"{name} must be a non-negative int, a tensor or None; got {v!r:.80}")
+
+
+class StepScope:
+    """`with bus.step(n, samples=..., tokens=...)`: StepStarted now, StepEnded at the end.
+
+    `samples` and `tokens` may be set on the scope inside the block (`s.tokens = ...`);
+    `duration_s` holds the step's host wall time once the block ended.
+    """
+
+    __slots__ = ("_t0", "bus", "duration_s", "samples", "step", "tokens")
+
+    def __init__(
+        self, bus: EventBus, step: int, *, samples: Any = None, tokens: Any = None
+    ) -> None:
+        if type(step) is not int:
+            raise TypeError(f"bus.step() takes the step number as an int; got {step!r:.80}")
+        _check_count("samples", samples)
+        _check_count("tokens", tokens)
+        self.bus = bus
+        self.step = step
+        self.samples = samples
+        self.tokens = tokens
+        self.duration_s: float | None = None
+        self._t0 = 0.0
+
+    def __enter__(self) -> StepScope:
+        _OPEN.setdefault(self.bus, []).append(self.step)
+        self.bus.publish(StepStarted(step=self.step))
+        self._t0 = time.perf_counter()  # host wall time; never waits for the device
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.duration_s = time.perf_counter() - self._t0
+        open_ = _OPEN.get(self.bus)
+        if open_:
+            open_.pop()
+        if et is not None:
+            return  # the step did not end: no StepEnded (throughput would be wrong)
+        _check_count("samples", self.samples)
+        _check_count("tokens", self.tokens)
+        self.bus.publish(StepEnded(step=self.step, duration_s=self.duration_s,
+                                   samples=self.samples, tokens=self.tokens))
+
+
+class PhaseScope:
+    """`with bus.phase("forward" | "backward" | "optimizer", **fields)`: its event at the end.
+
+    The step is the innermost open `bus.step` scope's unless given. `set(**fields)` adds
+    fields inside the block (e.g. `grad_norm=` for "optimizer": a tensor is fine).
+    """
+
+    __slots__ = ("_t0", "bus", "cls", "duration_s", "fields", "name", "step")
+
+    def __init__(self, bus: EventBus, name: str, step: int | None = None, **fields: Any) -> None:
+        cls = PHASES.get(name)
+        if cls is None:
+            raise ValueError(f"unknown phase {name!r}; use one of {', '.join(PHASES)}")
+        if step is not None and type(step) is not int:
+            raise TypeError(f"step must be an int or None; got {step!r:.80}")
+        self.bus = bus
+        self.name = name
+        self.cls = cls
+        self.step = step
+        self.fields: dict[str, Any] = {}
+        self.duration_s: float | None = None
+        self._t0 = 0.0
+        self.set(**fields)
+
+    def set(self, **fields: Any) -> None:
+        """Fields of the phase's event to publish at the end (checked against the class)."""
+        allowed = _settable(self.cls)
+        bad = sorted(set(fields) - allowed)
+        if bad:
+            raise TypeError(
+                f"{self.cls.__name__} has no field(s) {', '.join(bad)}; "
+                f"phase {self.name!r} takes {', '.join(sorted(allowed)) or 'none'}"
+            )
+        self.fields.update(fields)
+
+    def __enter__(self) -> PhaseScope:
+        if self.step is None:
+            self.step = current_step(self.bus)
+        self._t0 = time.perf_counter()  # host wall time; never waits for the device
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.duration_s = time.perf_counter() - self._t0
+        if et is None:
+            cls: Any = self.cls  # every phase event has duration_s
+            self.bus.publish(cls(step=self.step, duration_s=self.duration_s, **self.fields))
+
+
+_SETTABLE: dict[type, frozenset[str]] = {}
+
+
+def _settable(cls: type) -> frozenset[str]:
+    names = _SETTABLE.get(cls)
+    if names is None:
+        base = {f.name for f in dataclasses.fields(Event)} | {"duration_s"}
+        names = _SETTABLE[cls] = frozenset(
+            f.name for f in dataclasses.fields(cls) if f.name not in base
+        )
+    return names
