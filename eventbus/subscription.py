@@ -128,8 +128,8 @@ def describe(sub: Any) -> str:
     name = getattr(sub, "name", None)
     if isinstance(name, str) and name:
         return name
-    if inspect.isfunction(sub) or inspect.ismethod(sub):
-        return str(sub.__qualname__)
+    if inspect.isroutine(sub):  # functions, methods, builtins such as `list.append`
+        return str(getattr(sub, "__qualname__", None) or getattr(sub, "__name__", "function"))
     return type(sub).__name__
 
 

@@ -1,0 +1,35 @@
+"""Every script in examples/ runs as written, in quick mode (issue: examples a user copies)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.py") if not p.name.startswith("_"))
+LAUNCH = {  # scripts that need a launcher
+    "torchrun_ddp.py": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                        "--master_port=0"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("script", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_runs_in_quick_mode(script: Path, tmp_path: Path) -> None:
+    cmd = [*LAUNCH.get(script.name, [sys.executable]), str(script), "--quick"]
+    if "--out" in script.read_text():
+        cmd += ["--out", str(tmp_path / "out")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg"}
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=280,
+                          env=env)
+    assert proc.returncode == 0, f"{script.name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+
+
+def test_every_example_has_a_quick_mode() -> None:
+    for script in EXAMPLES:
+        assert "--quick" in script.read_text(), f"{script.name} needs a --quick flag for tests"
