@@ -315,11 +315,11 @@ def test_bad_arguments_fail_where_made() -> None:
 
 
 @no_cuda
-def test_record_history_without_cuda_warns_at_start(caplog: pytest.LogCaptureFixture) -> None:
+def test_record_history_without_cuda_warns_at_once(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="eventbus")
-    prof = MemoryProfiler(record_history=True)
-    prof.on_start(FakeBus())
+    prof = MemoryProfiler(record_history=True)  # said at construction, before any step
     assert any("unavailable" in r.getMessage() for r in caplog.records)
+    prof.on_start(FakeBus())
     assert prof.dump_snapshot("manual") is None
 
 
