@@ -101,19 +101,19 @@ def iter_file(path: Path, *, records: bool = False) -> Iterator[Event | dict[str
 
 
 def read_log(
-    paths: PathLike | Iterable[PathLike], *, records: bool = False
-) -> Iterator[Event | dict[str, Any]]:
+    paths: PathLike | Iterable[PathLike], *, records: bool = False, sources: bool = False
+) -> Iterator[Any]:
     """Events of one or more logs in replay order: by step, then ts, each file's order kept.
 
     A step-less event (RunStarted, RunEnded) sorts with the last step its own file showed.
+    `records=True` adds the "eventbus.*" records as dicts; `sources=True` yields
+    (file index, item) pairs.
     """
     files = log_files(paths)
-    if len(files) == 1:
-        yield from iter_file(files[0], records=records)
-        return
     streams = [_keyed(iter_file(p, records=records), i) for i, p in enumerate(files)]
-    for _, item in heapq.merge(*streams, key=lambda kv: kv[0]):
-        yield item
+    merged = streams[0] if len(streams) == 1 else heapq.merge(*streams, key=lambda kv: kv[0])
+    for key, item in merged:
+        yield (key[2], item) if sources else item
 
 
 def _keyed(
