@@ -139,7 +139,7 @@ def test_log_holds_lightnings_steps_losses_evals_and_checkpoints(tmp_path: Path)
     bus = new_bus()
     read = attach_log(bus, tmp_path / "log")
     with bus:
-        trainer, module, logger = fit(tmp_path, [EventBusCallback(bus)], val_check_interval=10)
+        trainer, _module, logger = fit(tmp_path, [EventBusCallback(bus)], val_check_interval=10)
     events = read()
 
     assert {type(e) for e in events} >= {
@@ -183,7 +183,7 @@ def test_accumulation_makes_one_step_of_several_batches(tmp_path: Path) -> None:
     bus = new_bus()
     read = attach_log(bus, tmp_path / "log")
     with bus:
-        trainer, module, _ = fit(
+        _trainer, module, _ = fit(
             tmp_path, [EventBusCallback(bus, grad_norm=True)], max_steps=6,
             accumulate_grad_batches=2, enable_checkpointing=False,
         )
