@@ -1,4 +1,4 @@
-"""The event log the bridge tests read: JSONL through `JsonlWriter` once it exists."""
+"""The run log the bridge tests read back: JSONL written by `JsonlWriter`."""
 
 from __future__ import annotations
 
@@ -8,32 +8,15 @@ from typing import Any
 
 from eventbus import Event, EventBus
 from eventbus.codec import decode
-
-
-class Recorder:
-    """A lossless subscriber keeping every event (the fallback before JsonlWriter landed)."""
-
-    policy = "block"
-
-    def __init__(self) -> None:
-        self.got: list[Event] = []
-
-    async def on_events(self, batch: list[Event]) -> None:
-        self.got.extend(batch)
+from eventbus.sinks import JsonlWriter
 
 
 def attach_log(bus: EventBus, directory: Path) -> Callable[[], list[Event]]:
-    """Subscribe the run log; the returned function reads it back (after `bus.close()`)."""
-    try:
-        from eventbus.sinks import JsonlWriter  # type: ignore[attr-defined]
-    except ImportError:
-        rec = Recorder()
-        bus.subscribe(rec)
-        return lambda: list(rec.got)
+    """Subscribe a `JsonlWriter`; the returned function reads its file (after close)."""
     bus.subscribe(JsonlWriter(directory))
 
     def read() -> list[Event]:
-        out: list[Any] = []
+        out: list[Event] = []
         for path in sorted(directory.glob("*.jsonl")):
             for line in path.read_bytes().splitlines():
                 ev = decode(line)
