@@ -1,0 +1,197 @@
+"""TensorBoardSink, read back with tensorboard's own EventAccumulator."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("tensorboard")
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from eventbus import Event, EventBus
+from eventbus.events import (
+    CheckpointLoaded,
+    DivergenceDetected,
+    EvalEnded,
+    Loss,
+    MemorySample,
+    OptimizerStepped,
+    RunStarted,
+    Scalars,
+    StepEnded,
+    TensorStats,
+)
+from eventbus.sinks import TensorBoardSink
+
+
+def _read(d: Path) -> EventAccumulator:
+    acc = EventAccumulator(str(d), size_guidance={"scalars": 0, "histograms": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def _scalars(acc: EventAccumulator, tag: str) -> list[tuple[int, float]]:
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def _run(d: Path, events: list[Event], **kw: Any) -> TensorBoardSink:
+    sink = TensorBoardSink(d, **kw)
+    bus = EventBus(drain_interval=0.002, close_timeout=30)
+    bus.subscribe(sink)
+    with bus:
+        for ev in events:
+            bus.publish(ev)
+    st = bus.stats()["tensorboard"]
+    assert st.failed == 0
+    assert st.dropped == 0
+    return sink
+
+
+def test_every_loss_scalar_with_its_step_zeros_included_on_disk_after_close(
+    tmp_path: Path,
+) -> None:
+    # flush_secs far longer than the run: only close() can have put these on disk
+    _run(tmp_path, [Loss(step=s, value=v) for s, v in ((1, 2.5), (2, 0.0), (3, 1.25))],
+         flush_secs=3600)
+    acc = _read(tmp_path)
+    assert _scalars(acc, "train/loss") == [(1, 2.5), (2, 0.0), (3, 1.25)]
+
+
+def test_catalogue_scalars_and_tags(tmp_path: Path) -> None:
+    _run(tmp_path, [
+        RunStarted(config={"lr": 0.1, "layers": 2}, total_steps=2),
+        Loss(step=1, value=1.0, split="eval"),
+        Scalars(step=1, values={"acc": 0.5, "zero": 0}),
+        OptimizerStepped(step=1, lr=0.1, grad_norm=0.0),
+        EvalEnded(step=1, metrics={"loss": 0.75}),
+        MemorySample(step=1, rss_mb=123.0, allocated_mb=0.0),
+        StepEnded(step=1, duration_s=0.5, samples=64, tokens=1000),
+    ])
+    acc = _read(tmp_path)
+    assert _scalars(acc, "eval/loss") == [(1, 1.0), (1, 0.75)]
+    assert _scalars(acc, "acc") == [(1, 0.5)]
+    assert _scalars(acc, "zero") == [(1, 0.0)]
+    assert _scalars(acc, "train/lr") == [(1, pytest.approx(0.1))]
+    assert _scalars(acc, "train/grad_norm") == [(1, 0.0)]
+    assert _scalars(acc, "memory/rss_mb") == [(1, 123.0)]
+    assert _scalars(acc, "memory/allocated_mb") == [(1, 0.0)]
+    assert _scalars(acc, "perf/step_time_s") == [(1, 0.5)]
+    assert _scalars(acc, "perf/samples_per_s") == [(1, 128.0)]
+    assert _scalars(acc, "perf/tokens_per_s") == [(1, 2000.0)]
+    text = acc.Tensors("run/config/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert '"lr": 0.1' in text
+    assert '"layers": 2' in text
+
+
+def test_tensor_stats_histograms(tmp_path: Path) -> None:
+    import torch
+
+    _run(tmp_path, [
+        TensorStats(step=1, name="fc.weight", kind="weights", norm=2.0,
+                    histogram={"counts": [1, 2, 3], "edges": [0.0, 1.0, 2.0, 3.0]}),
+        TensorStats(step=2, name="fc.bias", kind="grads", histogram=torch.arange(10.0)),
+        TensorStats(step=3, name="no.hist", kind="weights", norm=1.0),
+    ])
+    acc = _read(tmp_path)
+    h = acc.Histograms("weights/fc.weight")[0]
+    assert h.step == 1
+    assert list(h.histogram_value.bucket) == [1.0, 2.0, 3.0]
+    assert h.histogram_value.num == 6
+    raw = acc.Histograms("grads/fc.bias")[0].histogram_value
+    assert raw.num == 10
+    assert raw.max == 9.0
+    assert "weights/no.hist" not in acc.Tags()["histograms"]
+    assert _scalars(acc, "weights/fc.weight/norm") == [(1, 2.0)]
+
+
+def test_divergence_as_text_and_marker_scalar(tmp_path: Path) -> None:
+    _run(tmp_path, [
+        Loss(step=7, value=1.0),
+        DivergenceDetected(step=7, metric="loss", value=50.0, baseline=1.0, reason="spike"),
+    ])
+    acc = _read(tmp_path)
+    assert _scalars(acc, "divergence/marker") == [(7, 1.0)]
+    ev = acc.Tensors("divergence/detected/text_summary")[0]
+    assert ev.step == 7
+    assert "spike" in ev.tensor_proto.string_val[0].decode()
+
+
+def test_purge_step_on_resume_hides_steps_after_the_checkpoint(tmp_path: Path) -> None:
+    _run(tmp_path, [Loss(step=s, value=1.0) for s in range(1, 11)])
+    _run(tmp_path, [Loss(step=s, value=2.0) for s in range(6, 9)], resume_from_step=5)
+    got = _scalars(_read(tmp_path), "train/loss")
+    assert got == [(s, 1.0) for s in range(1, 6)] + [(s, 2.0) for s in range(6, 9)]
+
+
+def test_checkpoint_loaded_and_load_state_dict_purge_too(tmp_path: Path) -> None:
+    _run(tmp_path / "a", [*(Loss(step=s, value=1.0) for s in range(1, 6)),
+                          CheckpointLoaded(step=2, path="c.pt"),
+                          *(Loss(step=s, value=3.0) for s in range(3, 5))])
+    got = _scalars(_read(tmp_path / "a"), "train/loss")
+    assert got == [(1, 1.0), (2, 1.0), (3, 3.0), (4, 3.0)]
+
+    _run(tmp_path / "b", [Loss(step=s, value=1.0) for s in range(1, 6)])
+    sink = TensorBoardSink(tmp_path / "b")
+    bus = EventBus(drain_interval=0.002)
+    bus.subscribe(sink)
+    bus.load_state_dict({"tensorboard": {"step": 3}})
+    with bus:
+        bus.publish(Loss(step=4, value=9.0))
+    assert _scalars(_read(tmp_path / "b"), "train/loss") == [(1, 1.0), (2, 1.0), (3, 1.0),
+                                                             (4, 9.0)]
+
+
+def test_one_rank_writes_by_default(tmp_path: Path) -> None:
+    assert TensorBoardSink.ranks == (0,)
+    sink = TensorBoardSink(tmp_path)
+    bus = EventBus(rank=1, world_size=2, drain_interval=0.002)
+    handle = bus.subscribe(sink)
+    assert not handle.active
+    with bus:
+        bus.publish(Loss(step=1, value=1.0))
+    assert not list(tmp_path.rglob("events.out.tfevents.*"))
+
+
+def test_all_ranks_write_to_their_own_subdirectory(tmp_path: Path) -> None:
+    for rank in (0, 1):
+        sink = TensorBoardSink(tmp_path, ranks=None)
+        bus = EventBus(rank=rank, world_size=2, drain_interval=0.002)
+        bus.subscribe(sink)
+        with bus:
+            bus.publish(Loss(step=1, value=float(rank)))
+    for rank in (0, 1):
+        assert _scalars(_read(tmp_path / f"rank{rank}"), "train/loss") == [(1, float(rank))]
+
+
+def test_writer_runs_off_the_training_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    threads: set[str] = set()
+    real = SummaryWriter.add_scalar
+
+    def spy(self: Any, *a: Any, **kw: Any) -> Any:
+        threads.add(threading.current_thread().name)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(SummaryWriter, "add_scalar", spy)
+    _run(tmp_path, [Loss(step=1, value=1.0)])
+    assert threads
+    assert threading.current_thread().name not in threads
+    assert all(t.startswith("eventbus-") for t in threads)
+
+
+def test_unwritable_directory_and_bad_options_fail_at_construction(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(OSError, match="TensorBoardSink cannot write"):
+        TensorBoardSink(blocker / "tb")
+    with pytest.raises(ValueError, match="flush_secs"):
+        TensorBoardSink(tmp_path, flush_secs=0)
+    with pytest.raises(ValueError, match="ranks"):
+        TensorBoardSink(tmp_path, ranks=())
