@@ -1,0 +1,100 @@
+"""ConsoleProgress: step, loss, steps/s and ETA; quiet off a terminal unless forced."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import pytest
+
+from eventbus import EventBus
+from eventbus.events import DivergenceDetected, Loss, RunEnded, RunStarted, StepEnded
+from eventbus.sinks import ConsoleProgress
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _feed(p: ConsoleProgress, total: int | None, steps: int = 5) -> None:
+    p.on_events([RunStarted(config={}, total_steps=total)])
+    for s in range(1, steps + 1):
+        p.on_events([Loss(step=s, value=1.0 / s), StepEnded(step=s)])
+        time.sleep(0.01)
+
+
+def test_tqdm_bar_shows_step_loss_rate_and_eta() -> None:
+    pytest.importorskip("tqdm")
+    out = io.StringIO()
+    p = ConsoleProgress(stream=out, force=True, refresh_interval=0)
+    _feed(p, total=10)
+    p.on_close()
+    text = out.getvalue()
+    assert "5/10" in text
+    assert "loss=0.2" in text
+    assert "step/s" in text
+    assert "<" in text  # tqdm's elapsed<remaining: the ETA
+
+
+def test_plain_line_without_tqdm_has_eta_when_total_known() -> None:
+    out = io.StringIO()
+    p = ConsoleProgress(stream=out, force=True, refresh_interval=0, use_tqdm=False)
+    _feed(p, total=100)
+    p.on_close()
+    text = out.getvalue()
+    assert "step 5/100" in text
+    assert "loss=0.2" in text
+    assert "steps/s" in text
+    assert "ETA" in text
+
+
+def test_no_eta_when_total_unknown() -> None:
+    out = io.StringIO()
+    p = ConsoleProgress(stream=out, force=True, refresh_interval=0, use_tqdm=False)
+    _feed(p, total=None)
+    p.on_close()
+    assert "step 5" in out.getvalue()
+    assert "ETA" not in out.getvalue()
+
+
+def test_quiet_when_not_a_terminal_unless_forced() -> None:
+    out = io.StringIO()
+    p = ConsoleProgress(stream=out)
+    assert not p.enabled
+    _feed(p, total=10)
+    p.on_close()
+    assert out.getvalue() == ""
+    assert ConsoleProgress(stream=_Tty()).enabled
+    assert not ConsoleProgress(stream=_Tty(), force=False).enabled
+
+
+def test_detections_and_run_end_are_printed() -> None:
+    out = io.StringIO()
+    p = ConsoleProgress(stream=out, force=True, refresh_interval=0, use_tqdm=False)
+    _feed(p, total=10, steps=2)
+    p.on_events([DivergenceDetected(step=2, value=9.0, baseline=1.0, reason="spike"),
+                 RunEnded(status="stopped", reason="diverged")])
+    p.on_close()
+    text = out.getvalue()
+    assert "divergence at step 2" in text
+    assert "run stopped" in text
+
+
+def test_on_a_bus_it_is_lossy_and_rank_zero_only() -> None:
+    assert ConsoleProgress.policy == "latest"
+    assert ConsoleProgress.ranks == (0,)
+    out = io.StringIO()
+    p = ConsoleProgress(stream=out, force=True, refresh_interval=0, use_tqdm=False)
+    bus = EventBus(drain_interval=0.002)
+    bus.subscribe(p)
+    with bus:
+        bus.publish(RunStarted(config={}, total_steps=3))
+        for s in range(1, 4):
+            bus.publish(Loss(step=s, value=float(s)))
+    assert "step 3/3" in out.getvalue()
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="refresh_interval"):
+        ConsoleProgress(refresh_interval=-1)
