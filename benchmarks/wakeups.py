@@ -1,0 +1,123 @@
+"""Wake-ups: does a running bus slow a ~2 ms training step through its thread's wake-ups?
+
+A small MLP steps every ~2 ms on one CPU thread (micro-batches accumulated per step, their
+number calibrated at start to reach ~2 ms) and publishes one small event per step.
+Blocks alternate between no bus at all and a running bus with 4 no-op subscribers; per-step
+wall time is compared (pooled p50/p99, and the median over adjacent block pairs). The bus
+thread drains on a timer (`drain_interval`, 5 ms) instead of being woken per event; the
+`forced_wakeups` key counts the cross-thread wakes publish did make (0 expected).
+
+    python -m benchmarks.wakeups [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from benchmarks._util import blockwise_inflation, flatten, inflation, interleave_blocks, summarize
+
+__all__ = ["run"]
+
+WARMUP_STEPS = 20
+
+
+class _Noop:
+    """A subscriber that does nothing with its batch (on the bus loop)."""
+
+    async def on_events(self, batch: list[Any]) -> None:
+        return None
+
+
+def _model(width: int, batch: int) -> tuple[Any, Any, Any, Any]:
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(128, width), torch.nn.ReLU(), torch.nn.Linear(width, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(batch, 128)
+    y = torch.randint(0, 10, (batch,))
+    return model, opt, x, y
+
+
+def run(quick: bool = False, *, blocks: int | None = None, steps: int | None = None,
+        threads: int = 1, target_step_s: float = 0.002) -> dict[str, Any]:
+    """Flat `wakeups.*` keys: step times with and without a running bus, and the inflation."""
+    import torch
+
+    from eventbus import EventBus
+    from eventbus.events import StepEnded
+
+    blocks = blocks if blocks is not None else (6 if quick else 20)
+    steps = steps if steps is not None else (300 if quick else 500)
+    prev_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    model, opt, x, y = _model(width=512, batch=64)
+    loss_fn = torch.nn.functional.cross_entropy
+    forced = [0]
+    interval = EventBus().drain_interval
+    micro = [1]
+
+    def train(n: int, bus: Any) -> list[float]:
+        pc = time.perf_counter
+        out = []
+        k = micro[0]
+        for i in range(n):
+            t0 = pc()
+            opt.zero_grad(set_to_none=True)
+            for _ in range(k):  # gradient accumulation over k micro-batches
+                loss = loss_fn(model(x), y)
+                loss.backward()
+            opt.step()
+            if bus is not None:
+                bus.publish(StepEnded(step=i, samples=64 * k))
+            out.append(pc() - t0)
+        return out[WARMUP_STEPS:]
+
+    def no_bus(b: int) -> list[float]:
+        return train(steps, None)
+
+    def with_bus(b: int) -> list[float]:
+        bus = EventBus()
+        for _ in range(4):
+            bus.subscribe(_Noop())
+        with bus:
+            out = train(steps, bus)
+            forced[0] += bus.stats().wakeups  # before close(), which wakes the thread itself
+        return out
+
+    try:
+        one = sorted(train(WARMUP_STEPS + 100, None))[50]  # warm-up and calibration
+        micro[0] = max(1, round(target_step_s / one))
+        per_block = interleave_blocks({"none": no_bus, "bus": with_bus}, blocks=blocks)
+    finally:
+        torch.set_num_threads(prev_threads)
+    none, bus = summarize(flatten(per_block["none"])), summarize(flatten(per_block["bus"]))
+    return {
+        "wakeups.none_p50_ms": round(none["p50"] * 1e3, 4),
+        "wakeups.none_p99_ms": round(none["p99"] * 1e3, 4),
+        "wakeups.bus_p50_ms": round(bus["p50"] * 1e3, 4),
+        "wakeups.bus_p99_ms": round(bus["p99"] * 1e3, 4),
+        "wakeups.p50_inflation": round(inflation(bus["p50"], none["p50"]), 4),
+        "wakeups.p99_inflation": round(inflation(bus["p99"], none["p99"]), 4),
+        "wakeups.p50_inflation_blockwise": round(
+            blockwise_inflation(per_block["bus"], per_block["none"]), 4),
+        "wakeups.forced_wakeups": forced[0],
+        "wakeups.drain_interval_ms": interval * 1e3,
+        "wakeups.steps_per_variant": int(none["n"]),
+        "wakeups.micro_batches_per_step": micro[0],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    a = p.parse_args()
+    print(json.dumps(run(a.quick), indent=1))
+
+
+if __name__ == "__main__":
+    main()
