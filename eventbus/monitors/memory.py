@@ -64,6 +64,11 @@ _UNAVAILABLE = (
 )
 
 
+def _lag(ev: Event) -> float | None:
+    """Seconds between the event's publish (training thread) and now (our read)."""
+    return max(0.0, (time.time_ns() - ev.ts) / 1e9) if ev.ts is not None else None
+
+
 def _due(step: int, last: int | None, every: int) -> bool:
     """Publish at multiples of `every`; a step that jumped past one (readings coalesced) is
     due too, and so is any step after the steps went back (a resume)."""
@@ -156,7 +161,7 @@ class MemoryProfiler:
         self._snapshots: list[str] = []
         self._training_source = False  # training-thread snapshots seen: stop reading late
         self._train_phase_peak = 0.0  # snapshot(): phase peaks since the last step snapshot
-        self._phase_peaks: dict[str, float] = {}
+        self._phase_peaks: dict[str, tuple[float, float | None]] = {}  # phase -> (MB, lag_s)
         self._last_published: int | None = None
         self._first: _Reading | None = None
         self._last: _Reading | None = None
@@ -235,25 +240,23 @@ class MemoryProfiler:
         # Host-side allocator counters: no device sync (see _memory_read).
         cuda = self._cuda.read(reset_peak=self.reset_peak)
         if cuda is not None:
-            self._phase_peaks[phase] = cuda.peak_allocated / MB
+            self._phase_peaks[phase] = (cuda.peak_allocated / MB, _lag(ev))
 
     def _on_step_end(self, ev: Event) -> None:
         if ev.step is None:
             return
         r = self._read(ev.step, reset_peak=self.reset_peak)
-        lag = max(0.0, (time.time_ns() - ev.ts) / 1e9) if ev.ts is not None else None
         phases, self._phase_peaks = self._phase_peaks, {}
         if r.peak_allocated is not None and phases:
-            r.peak_allocated = max(r.peak_allocated, *phases.values())
-        self._record(r, source="bus", lag_s=lag, phases=phases)
+            r.peak_allocated = max(r.peak_allocated, *(mb for mb, _ in phases.values()))
+        self._record(r, source="bus", lag_s=_lag(ev), phases=phases)
 
     def _take_training(self, ev: MemorySample) -> None:
         """A snapshot taken on the training thread: the exact figures for its step."""
         if ev.step is None:
             return
         if ev.phase not in (None, "step"):
-            self._phase_peaks[ev.phase] = ev.peak_allocated_mb or 0.0
-            return
+            return  # a phase snapshot: already on the bus, and folded into its step's peak
         self._training_source = True
         r = _Reading(ev.step, ev.rss_mb or 0.0, None)
         r.allocated, r.reserved = ev.allocated_mb, ev.reserved_mb
@@ -262,7 +265,7 @@ class MemoryProfiler:
         self._record(r, source=None, lag_s=0.0, phases={})  # already on the bus: no re-publish
 
     def _record(self, r: _Reading, *, source: str | None, lag_s: float | None,
-                phases: dict[str, float]) -> None:
+                phases: dict[str, tuple[float, float | None]]) -> None:
         self._readings += 1
         if self._first is None:
             self._first = r
@@ -283,11 +286,11 @@ class MemoryProfiler:
         self._check_leaks(r)
 
     def _publish_sample(self, r: _Reading, *, source: str, lag_s: float | None,
-                        phases: dict[str, float]) -> None:
+                        phases: dict[str, tuple[float, float | None]]) -> None:
         peak = rss_peak_bytes()
-        for phase, mb in phases.items():
+        for phase, (mb, phase_lag) in phases.items():
             self._publish(MemorySample(step=r.step, phase=phase, peak_allocated_mb=mb,
-                                       device=self._device_name, source=source, lag_s=lag_s))
+                                       device=self._device_name, source=source, lag_s=phase_lag))
         self._publish(MemorySample(
             step=r.step, phase="step", rss_mb=r.rss,
             rss_peak_mb=max(r.rss, self._peak_rss[0] if self._peak_rss else 0.0,
