@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict, namedtuple
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import pytest
@@ -63,6 +65,50 @@ class Spy(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs or {})
 
 
+@contextlib.contextmanager
+def patched_reads() -> Iterator[list[tuple[str, int]]]:
+    """Wraps the host-read methods of torch.Tensor itself: sees reads in autograd hooks too
+    (a TorchFunctionMode is per thread and off inside the backward engine)."""
+    reads: list[tuple[str, int]] = []
+    saved = {n: torch.Tensor.__dict__.get(n) for n in HOST_READS}
+
+    def spy(name: str, real: Any) -> Any:
+        def wrapper(self: Any, *a: Any, **k: Any) -> Any:
+            reads.append((name, threading.get_ident()))
+            return real(self, *a, **k)
+        return wrapper
+
+    for n in HOST_READS:
+        setattr(torch.Tensor, n, spy(n, getattr(torch.Tensor, n)))
+    try:
+        yield reads
+    finally:
+        for n, v in saved.items():
+            if v is None:
+                delattr(torch.Tensor, n)
+            else:
+                setattr(torch.Tensor, n, v)
+
+
+def test_patched_reads_see_reads_inside_backward_hooks() -> None:
+    w = torch.ones(2, requires_grad=True)
+
+    def reading(p: torch.Tensor) -> None:
+        assert p.grad is not None
+        p.grad.sum().item()
+
+    w.register_post_accumulate_grad_hook(reading)
+    with ReadRecorder() as mode:
+        (w * 2).sum().backward()
+    assert mode.reads == []  # the mode misses a read made inside the backward engine
+    with patched_reads() as reads:
+        (w * 2).sum().backward()
+        float(torch.tensor(1.0))
+    assert [n for n, _ in reads] == ["item", "__float__"]
+    assert all(hasattr(torch.Tensor, n) for n in HOST_READS)
+    assert torch.tensor(2.0).item() == 2.0
+
+
 def _deliver(bus: EventBus, *events: Any) -> list[Any]:
     rec = Recorder()
     bus.subscribe(rec)
@@ -107,7 +153,7 @@ def test_the_recorder_sees_every_kind_of_host_read() -> None:
 def test_a_deliberate_item_at_publish_is_caught(bus: EventBus,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The check can fail: a capture that read the value would be seen."""
-    import eventbus.capture as capture
+    from eventbus import capture
 
     real = capture._Capture.tensor
 
@@ -185,7 +231,8 @@ def test_in_place_changes_after_publish_are_not_seen(bus: EventBus) -> None:
         norm.fill_(-1)
     got = rec.got
     assert got[0].value == 1.0
-    assert torch.equal(got[1].values["vec"], torch.ones(3)) and got[1].values["n"] == 4.0
+    assert torch.equal(got[1].values["vec"], torch.ones(3))
+    assert got[1].values["n"] == 4.0
     assert got[2].grad_norm == 4.0
 
 
@@ -195,15 +242,21 @@ def test_delivered_values_equal_eager_item(bus: EventBus) -> None:
     got = _deliver(bus, Loss(step=1, value=ts["f32"]), Scalars(step=2, values=dict(ts)),
                    OptimizerStepped(step=3, lr=torch.tensor(0.5), grad_norm=ts["grad"]))
     loss, scalars, opt = got
-    assert type(loss.value) is float and loss.value == eager["f32"]
+    assert type(loss.value) is float
+    assert loss.value == eager["f32"]
     for k, v in eager.items():
-        assert scalars.values[k] == v and type(scalars.values[k]) is type(v), k
-    assert type(scalars.values["int"]) is int and type(scalars.values["bool"]) is bool
-    assert opt.grad_norm == eager["grad"] and opt.lr == 0.5
+        assert scalars.values[k] == v, k
+        assert type(scalars.values[k]) is type(v), k
+    assert type(scalars.values["int"]) is int
+    assert type(scalars.values["bool"]) is bool
+    assert opt.grad_norm == eager["grad"]
+    assert opt.lr == 0.5
     for k in ("noncontig", "vector"):  # not one element: a CPU tensor, equal, no grad
         out = scalars.values[k]
-        assert isinstance(out, torch.Tensor) and out.device.type == "cpu"
-        assert torch.equal(out, ts[k]) and not out.requires_grad
+        assert isinstance(out, torch.Tensor)
+        assert out.device.type == "cpu"
+        assert torch.equal(out, ts[k])
+        assert not out.requires_grad
 
 
 def test_containers_keep_their_shape_and_plain_values(bus: EventBus) -> None:
@@ -218,7 +271,8 @@ def test_containers_keep_their_shape_and_plain_values(bus: EventBus) -> None:
     (ev,) = _deliver(bus, Scalars(step=1, values=values))
     assert ev.values["list"] == [1.0, 2.0, "x"]
     assert ev.values["tuple"] == (3, None)
-    assert ev.values["pair"] == Pair(4.0, 5) and type(ev.values["pair"]) is Pair
+    assert ev.values["pair"] == Pair(4.0, 5)
+    assert type(ev.values["pair"]) is Pair
     assert ev.values["ordered"] == {"k": 6.0}
     assert ev.values["plain"] == 7.5
 
