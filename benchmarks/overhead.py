@@ -163,9 +163,11 @@ def _thread_cpu_s(native_id: int | None) -> float:
     return 0.0
 
 
-def run(quick: bool = False) -> dict[str, Any]:
+def run(quick: bool = False, *, rounds: int | None = None, calls: int | None = None
+        ) -> dict[str, Any]:
     """Measure every contender; flat `overhead.*` keys, ns per event."""
-    rounds, calls = (16, 2000) if quick else (60, 5000)
+    rounds = rounds if rounds is not None else (16 if quick else 60)
+    calls = calls if calls is not None else (2000 if quick else 5000)
 
     bus4 = EventBus(drain_interval=0.005)
     for _ in range(3):

@@ -1,0 +1,155 @@
+"""Smoke tests: tiny runs of every benchmark, so the code cannot rot (no timing targets here)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import __main__ as bench_main
+from benchmarks import overhead, stall, throughput, wakeups
+from benchmarks._util import (
+    blockwise_inflation,
+    interleave_blocks,
+    interleave_calls,
+    machine,
+    peak_rss_mb,
+    percentile,
+    summarize,
+    versions,
+)
+
+
+def _positive_numbers(d: dict[str, Any], keys: list[str]) -> None:
+    for k in keys:
+        v = d[k]
+        assert isinstance(v, int | float), f"{k} = {v!r}"
+        assert math.isfinite(v), f"{k} = {v!r}"
+        assert v > 0, f"{k} = {v!r}"
+
+
+def test_percentiles_and_summary() -> None:
+    s = summarize(float(x) for x in range(1, 101))
+    assert s["p50"] in (50.0, 51.0)
+    assert s["p99"] in (99.0, 100.0)
+    assert s["mean"] == pytest.approx(50.5)
+    assert s["n"] == 100
+    assert percentile([7.0], 99) == 7.0
+
+
+def test_percentile_of_nothing_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="no samples"):
+        percentile([], 50)
+
+
+def test_interleaving_rotates_the_order() -> None:
+    order: list[str] = []
+
+    def variant(name: str) -> Any:
+        def fn(block: int) -> list[float]:
+            order.append(name)
+            return [1.0]
+        return fn
+
+    out = interleave_blocks({"a": variant("a"), "b": variant("b")}, blocks=2)
+    assert order == ["a", "b", "b", "a"]
+    assert out == {"a": [[1.0], [1.0]], "b": [[1.0], [1.0]]}
+    assert blockwise_inflation([[2.0], [2.0]], [[1.0], [1.0]]) == pytest.approx(1.0)
+
+    calls = interleave_calls({"x": (lambda n: list(range(n)), lambda a: None)}, rounds=2,
+                             calls=10)
+    assert len(calls["x"]) == 20
+    assert all(v >= 0 for v in calls["x"])
+
+
+def test_machine_and_versions_describe_this_run() -> None:
+    m = machine()
+    assert m["cpus"] >= 1
+    assert m["python"]
+    v = versions()
+    assert v["torch"]
+    assert v["eventbus"]
+    assert peak_rss_mb() > 10
+
+
+def test_overhead_tiny_run_has_every_contender() -> None:
+    out = overhead.run(rounds=1, calls=50)
+    for key in ("eventbus_publish", "eventbus_publish_1sub", "eventbus_publish_tensor",
+                "sync_list_4", "blinker_4", "hf_callbackhandler_4", "lightning_hooks_4"):
+        assert out[f"overhead.{key}_p50_ns"] <= out[f"overhead.{key}_p99_ns"]
+    _positive_numbers(out, [f"overhead.{k}_p50_ns" for k in (
+        "eventbus_publish", "hf_callbackhandler_4", "lightning_hooks_4", "blinker_4",
+        "sync_list_4")])
+    assert out["overhead.eventbus_published"] == 150  # 3 publishing contenders x 50 on bus4
+    assert out["overhead.eventbus_fast_delivered"] == 3 * 150  # nothing lost to fast ones
+
+
+def test_stall_tiny_run_loses_nothing_lossless(tmp_path: Path) -> None:
+    out, samples = stall.measure(blocks=1, steps=stall.WARMUP_STEPS + 3)
+    for v in stall.VARIANTS:
+        assert len(samples[v]) == 3
+        _positive_numbers(out, [f"stall.{v}_p50_ms", f"stall.{v}_p99_ms"])
+    # The inline variant sleeps 50 ms in every step; the bus variant must not.
+    assert out["stall.inline_p50_ms"] >= 50
+    assert out["stall.eventbus_jsonl_lost"] == 0
+    assert out["stall.eventbus_others_failed"] == 0
+    png = tmp_path / "steps.png"
+    stall.plot(samples, png)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_throughput_tiny_run_counts_every_line() -> None:
+    out = throughput.run(events=3000)
+    assert out["throughput.events"] == 3000
+    assert out["throughput.lines_on_disk"] == 3000
+    assert out["throughput.lost"] == 0
+    _positive_numbers(out, ["throughput.events_per_s", "throughput.rss_peak_mb"])
+
+
+def test_wakeups_tiny_run() -> None:
+    out = wakeups.run(blocks=2, steps=wakeups.WARMUP_STEPS + 10)
+    assert out["wakeups.steps_per_variant"] == 20
+    _positive_numbers(out, ["wakeups.none_p50_ms", "wakeups.bus_p50_ms"])
+    assert out["wakeups.forced_wakeups"] >= 0
+
+
+def test_main_writes_the_required_keys_and_keeps_other_doc_sections(tmp_path: Path,
+                                                                   monkeypatch: Any) -> None:
+    monkeypatch.setattr(throughput, "run", lambda quick=False: throughput.measure(2000))
+    doc = tmp_path / "performance.md"
+    doc.write_text(f"# Performance\n\n{bench_main.START}\nold\n{bench_main.END}\n\n"
+                   "## Tensor capture\n\nkept\n")
+    out = tmp_path / "r.json"
+    assert bench_main.main(["--only", "throughput", "--json", str(out), "--doc", str(doc)]) == 0
+    r = json.loads(out.read_text())
+    for k in ("throughput.events", "throughput.events_per_s", "throughput.lost",
+              "throughput.rss_peak_mb", "gil.none_p50_ms", "gil.in_thread_p50_ms",
+              "gil.process_p50_ms", "machine", "versions"):
+        assert k in r, k
+    assert r["throughput.lost"] == 0
+    assert r["targets.throughput_lost_eq_0.met"] is True
+    text = doc.read_text()
+    assert "old" not in text
+    assert "## Tensor capture\n\nkept" in text
+    assert "sustained events/s" in text
+
+
+def test_main_rejects_an_unknown_part(capsys: Any) -> None:
+    with pytest.raises(SystemExit) as e:
+        bench_main.main(["--only", "overhead,bogus"])
+    assert e.value.code == 2
+    assert "unknown part(s) bogus" in capsys.readouterr().err
+
+
+def test_table_shows_misses_and_missing_values() -> None:
+    r = {"overhead.eventbus_publish_p50_ns": 1500.0, "overhead.eventbus_publish_p99_ns": 4000.0}
+    r.update(bench_main._derived(r))
+    assert r["targets.publish_p50_le_1us.met"] is False
+    assert r["targets.publish_p99_le_5us.met"] is True
+    assert r["targets.throughput_ge_400k_per_s.met"] is None
+    t = bench_main.table(r)
+    assert "| publish_p50_le_1us (<= 1000 ns) | 1,500 | **no** |" in t
+    assert "n/a" in t
