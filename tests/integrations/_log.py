@@ -31,3 +31,18 @@ def attach_log(bus: EventBus, directory: Path) -> Callable[[], list[Event]]:
 def of(events: list[Event], cls: type[Event]) -> list[Any]:
     """The events of exactly type `cls`, in log order."""
     return [e for e in events if type(e) is cls]
+
+
+def run_example(name: str, out: Path) -> list[Event]:
+    """Run `examples/<name>` in quick mode in this process; the events it logged."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "examples" / name
+    spec = importlib.util.spec_from_file_location(f"example_{path.stem}", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--quick", "--out", str(out)])
+    return [ev for line in (out / "events.jsonl").read_bytes().splitlines()
+            if (ev := decode(line)) is not None]

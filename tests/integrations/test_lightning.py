@@ -27,7 +27,7 @@ from eventbus.events import (
     StepStarted,
     StopRequested,
 )
-from tests.integrations._log import attach_log, of
+from tests.integrations._log import attach_log, of, run_example
 
 torch = pytest.importorskip("torch")
 bridge = pytest.importorskip("eventbus.integrations.lightning")
@@ -252,6 +252,18 @@ def test_an_exception_ends_the_run_as_failed_and_closes_a_managed_bus(tmp_path: 
     (end,) = of(events, RunEnded)
     assert (end.step, end.status) == (2, "failed")
     assert "boom" in (end.reason or "")
+
+
+def test_the_example_logs_a_whole_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    events = run_example("lightning_trainer.py", tmp_path / "run")
+    assert "wrote" in capsys.readouterr().out
+    (run,) = of(events, RunStarted)
+    assert run.total_steps == 40
+    assert run.config["lr"] == 3e-3
+    assert [e.step for e in of(events, StepEnded)] == list(range(1, 41))
+    assert [e.step for e in of(events, Loss)] == list(range(1, 41))
+    assert [e.step for e in of(events, EvalEnded)] == [20, 40]
+    assert of(events, RunEnded)[0].status == "completed"
 
 
 def test_bad_bus_argument_is_a_clear_type_error() -> None:

@@ -27,7 +27,7 @@ from eventbus.events import (
     StepStarted,
     StopRequested,
 )
-from tests.integrations._log import attach_log, of
+from tests.integrations._log import attach_log, of, run_example
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -269,6 +269,17 @@ def test_manage_bus_starts_and_closes_the_bus_with_training(tmp_path: Path) -> N
     events = read()
     assert type(events[0]) is RunStarted
     assert of(events, RunEnded)[0].step == 3
+
+
+def test_the_example_logs_a_whole_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    events = run_example("hf_trainer.py", tmp_path / "run")
+    assert "wrote" in capsys.readouterr().out
+    (run,) = of(events, RunStarted)
+    assert run.total_steps == 30
+    assert [e.step for e in of(events, StepEnded)] == list(range(1, 31))
+    assert len(of(events, Loss)) == 30
+    assert [e.step for e in of(events, EvalEnded)] == [10, 20, 30]
+    assert of(events, RunEnded)[0].status == "completed"
 
 
 def test_bad_bus_argument_is_a_clear_type_error() -> None:
