@@ -400,3 +400,31 @@ def test_state_dict_reports_last_step(tmp_path: Path) -> None:
 
 def test_write_error_type_is_an_oserror() -> None:
     assert issubclass(JsonlWriteError, OSError)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_never_writes_the_parents_held_lines(tmp_path: Path) -> None:
+    w = JsonlWriter(tmp_path, flush_interval=3600)  # lines held in memory when we fork
+    bus = _bus()
+    bus.subscribe(w)
+    with bus:
+        for s in range(1, 4):
+            bus.publish(Loss(step=s, value=1.0))
+        assert bus.flush(5)
+        pid = os.fork()
+        if pid == 0:  # the child (a DataLoader worker): touching the writer writes nothing
+            try:
+                w.on_flush()
+                bus.publish(Loss(step=99, value=1.0))
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+    assert _loss_steps(w.path) == [1, 2, 3]
+
+
+def test_overwrite_starts_the_file_afresh(tmp_path: Path) -> None:
+    _write_run(tmp_path, range(1, 4))
+    w = _write_run(tmp_path, range(1, 3), overwrite=True)
+    assert _loss_steps(w.path) == [1, 2]
+    w = _write_run(tmp_path, range(3, 4))  # the default appends
+    assert _loss_steps(w.path) == [1, 2, 3]
