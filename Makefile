@@ -22,7 +22,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
-	$(PY) -m benchmarks --json docs/benchmarks.json
+	$(PY) -m benchmarks --json docs/benchmarks.json --plot docs/step_time.png --doc docs/performance.md
 
 bench-quick: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
