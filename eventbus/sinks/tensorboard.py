@@ -80,6 +80,9 @@ class TensorBoardSink:
             raise ImportError(
                 "TensorBoardSink needs the tensorboard package: pip install 'eventbus[tensorboard]'"
             )
+        # Imported here, on the constructing thread: a first `import torch` in our worker
+        # thread would race the training thread's own use of a half-imported torch.
+        import torch.utils.tensorboard  # noqa: F401
         if flush_secs <= 0:
             raise ValueError(f"flush_secs must be > 0 seconds, got {flush_secs!r}")
         if resume_from_step is not None and not isinstance(resume_from_step, int):
@@ -101,10 +104,9 @@ class TensorBoardSink:
     # -- subscriber hooks (run in this subscriber's worker thread) ---------------------------
 
     def on_start(self, bus: Any = None) -> None:
-        """Import the writer here, off the training thread (torch.utils.tensorboard is slow)."""
+        """Learn this process's rank (events without one are written as this rank's)."""
         if bus is not None:
             self._bus_rank = bus.rank
-        import torch.utils.tensorboard  # noqa: F401
 
     def on_events(self, batch: list[Event]) -> None:
         """Write each event's scalars, histograms and text."""
