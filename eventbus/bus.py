@@ -32,6 +32,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from eventbus._log import get_logger
+from eventbus._threads import in_worker
 from eventbus.agreement import StopAgreement
 from eventbus.capture import FIELDS as _CAPTURABLE
 from eventbus.capture import PLAIN as _PLAIN
@@ -193,6 +194,7 @@ class EventBus:
         self._wake_evt: anyio.Event | None = None
         self._wake_pending = False
         self._space = threading.Event()
+        self._drop_lock = threading.Lock()
         self._ready = threading.Event()
         self._closing = False
         self._close_deadline = 0.0
@@ -241,9 +243,9 @@ class EventBus:
                     item = _Captured(ev)
                 break
         inbox = self._inbox
+        if len(inbox) >= self._wake_at and not self._admit(item):
+            return
         inbox.append(item)
-        if len(inbox) >= self._wake_at:
-            self._pressure(ev)
 
     async def apublish(self, ev: Event) -> None:
         """`publish` for async code: waits without blocking the caller's event loop."""
@@ -268,20 +270,27 @@ class EventBus:
         return len(self._inbox) >= self._inbox_maxsize
 
     def _must_wait(self) -> bool:
-        return self._lossless > 0 and threading.get_ident() != self._thread_id
+        return self._lossless > 0 and not self._on_bus_side()
 
-    def _pressure(self, ev: Event) -> None:
-        """The inbox nears its bound: wake the router; when full, wait or drop."""
+    def _on_bus_side(self) -> bool:
+        """The bus thread or a subscriber's worker: waiting for the bus there could deadlock."""
+        return threading.get_ident() == self._thread_id or in_worker()
+
+    def _admit(self, item: Any) -> bool:
+        """The inbox nears its bound: wake the router; when full, wait (lossless) or drop.
+
+        Returns False when `item` must be dropped (counted here).
+        """
         if self._state == _NEW:
             if self._full():
                 raise RuntimeError(
                     f"{len(self._inbox)} events published but the bus was never started: "
                     "call bus.start() or use `with bus:` before publishing this many"
                 )
-            return
+            return True
         self._wake()
-        if not self._full() or threading.get_ident() == self._thread_id:
-            return  # never block the bus thread itself (a monitor publishing)
+        if not self._full() or self._on_bus_side():
+            return True  # never block the bus side itself (a monitor publishing)
         if self._lossless > 0:
             t0 = time.perf_counter_ns()
             while self._full() and self._state == _RUNNING and not self._is_child:
@@ -289,14 +298,15 @@ class EventBus:
                 self._wake()
                 self._space.wait(0.01)
             self._blocked_ns += time.perf_counter_ns() - t0
-        else:
-            # Only lossy subscribers: drop this event rather than wait, and count it for
-            # everyone who would have received it.
-            item = self._inbox.pop()
-            dropped = item.ev if type(item) is _Captured else item
-            for r in self._targets(type(dropped), cache=False):
+            return True
+        # Only lossy subscribers: drop this event rather than wait, and count it for
+        # everyone who would have received it.
+        ev = item.ev if type(item) is _Captured else item
+        with self._drop_lock:
+            for r in self._targets(type(ev), cache=False):
                 r.inbox_dropped += 1
             self._inbox_dropped += 1
+        return False
 
     def _wake(self) -> None:
         loop = self._loop
@@ -481,8 +491,8 @@ class EventBus:
         with self._lifecycle:
             if self._state != _RUNNING:
                 return self._state == _CLOSED
-            if threading.get_ident() == self._thread_id:
-                raise RuntimeError("flush() would deadlock when called on the bus thread")
+            if self._on_bus_side():
+                raise RuntimeError("flush() would deadlock when called from a subscriber")
             marker = _Flush()
             self._inbox.append(marker)
             self._wake_pending = False
@@ -497,8 +507,10 @@ class EventBus:
         """
         if self._is_child:
             return self.stats()
-        if threading.get_ident() == self._thread_id:
-            raise RuntimeError("close() cannot be called from a subscriber on the bus thread")
+        if self._on_bus_side():
+            raise RuntimeError(
+                "close() cannot be called from a subscriber; use bus.control.request_stop()"
+            )
         with self._lifecycle:
             if self._state == _CLOSED:
                 return self.stats()
@@ -711,10 +723,15 @@ class EventBus:
             targets = routes.get(cls)
             if targets is None:
                 targets = self._targets(cls)
-            for r in targets:
+            for i, r in enumerate(targets):
                 q = r.queue
                 if not q.offer(item):  # type: ignore[union-attr]
-                    await q.put(item)  # type: ignore[union-attr]
+                    try:
+                        await q.put(item)  # type: ignore[union-attr]
+                    except anyio.get_cancelled_exc_class():  # the close deadline passed
+                        for lost in targets[i:]:
+                            lost.lost_at_close += 1
+                        raise
                 r.published += 1
             if not self._space.is_set() and len(inbox) < self._inbox_maxsize:
                 self._space.set()

@@ -424,3 +424,24 @@ def test_unstarted_bus_with_a_full_inbox_says_what_to_do() -> None:
     with pytest.raises(RuntimeError, match="never started"):
         for i in range(20):
             bus.publish(Loss(step=i, value=1.0))
+
+
+def test_full_inbox_with_only_lossy_subscribers_drops_and_counts_exactly() -> None:
+    seen: list[Event] = []
+
+    def slow(ev: Event) -> None:
+        time.sleep(0.0001)
+        seen.append(ev)
+
+    bus = EventBus(inbox_maxsize=4, drain_interval=0.05)
+    h = bus.subscribe(slow, policy="drop_oldest", maxsize=8)
+    n = 20_000
+    with bus:
+        for i in range(n):
+            bus.publish(Loss(step=i, value=1.0))
+    st = h.stats()
+    assert st is not None
+    assert st.published == n == bus.stats().published
+    assert st.delivered + st.dropped == n
+    assert st.dropped > 0 and len(seen) == st.delivered
+    assert bus.stats().blocked_s == 0.0  # never waited: there is no lossless subscriber
