@@ -1,11 +1,15 @@
 """Score DivergenceRule and simple renditions of peer rules on the recorded runs.
 
-    .venv/bin/python benchmarks/divergence_peers.py            # summary + per-run table
-    .venv/bin/python benchmarks/divergence_peers.py --markdown # tables for docs/divergence.md
+    .venv/bin/python benchmarks/divergence_peers.py         # summary table (markdown)
+    .venv/bin/python benchmarks/divergence_peers.py --runs  # and the per-run table
 
 Runs come from tests/fixtures/divergence/*.json (made by make_runs.py there). A healthy
-run scores a false positive if a rule fires at all; a diverging run is scored by the
-delay from its onset and from its visible departure (negative: fired before onset).
+run scores a false positive if a rule fires at all; a diverging run that fires before its
+onset scores "early"; the others are scored by the delay from onset and from the step the
+loss visibly departs, under three definitions (`DEPARTURES`; make_runs.py computes them):
+strict (first step beyond the pre-onset max or 1.5x median: often a single noise step) and
+sustained at 1.5x / 2x (first step from which 10 values stay above that multiple of the
+pre-onset median). A negative delay: fired after onset but before that departure.
 """
 
 from __future__ import annotations
@@ -26,6 +30,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eventbus.monitors._divergence_rule import DivergenceRule
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "divergence"
+# Departure definitions scored side by side, and the fixture field each is stored in
+# (computed by tests/fixtures/divergence/make_runs.py: `departures()` there says how).
+DEPARTURES = {
+    "strict": "departure",
+    "sustained 1.5x": "departure_s15",
+    "sustained 2x": "departure_s2",
+}
+SETS = ("tune", "holdout", "fresh")
 
 
 class Rule(Protocol):
@@ -159,28 +171,28 @@ class Score:
     def missed(self) -> bool:
         return bool(self.run["diverges"]) and self.step is None
 
-    def delay(self, ref: str) -> int | None:
-        if self.step is None or not self.run["diverges"]:
+    def delay(self, field: str) -> int | None:
+        """Steps from the run's `field` (onset or a departure) to detection."""
+        ref = self.run.get(field)
+        if self.step is None or not self.run["diverges"] or ref is None:
             return None
-        return self.step - int(self.run[ref])
+        return self.step - int(ref)
 
 
 def summarize(scores: list[Score]) -> dict[str, Any]:
     healthy = [s for s in scores if not s.run["diverges"]]
     div = [s for s in scores if s.run["diverges"]]
-    on = [d for s in div if (d := s.delay("onset")) is not None and not s.false_positive]
-    dep = [d for s in div if (d := s.delay("departure")) is not None and not s.false_positive]
-    return {
+    out: dict[str, Any] = {
         "healthy": len(healthy),
         "fp_healthy": sum(s.false_positive for s in healthy),
         "diverging": len(div),
         "early": sum(s.false_positive for s in div),
         "missed": sum(s.missed for s in div),
-        "median_onset": statistics.median(on) if on else None,
-        "max_onset": max(on) if on else None,
-        "median_dep": statistics.median(dep) if dep else None,
-        "max_dep": max(dep) if dep else None,
     }
+    for name, field in {"onset": "onset", **DEPARTURES}.items():
+        delays = [d for s in div if not s.false_positive and (d := s.delay(field)) is not None]
+        out[name] = (statistics.median(delays), max(delays)) if delays else None
+    return out
 
 
 def score_all(runs: list[dict[str, Any]], make: Callable[[], Rule]) -> list[Score]:
@@ -191,52 +203,56 @@ def _fmt(v: object) -> str:
     return "-" if v is None else str(v)
 
 
+def _pair(v: tuple[float, int] | None) -> str:
+    return "-" if v is None else f"{v[0]:g} ({v[1]})"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--markdown", action="store_true")
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--dir", type=Path, default=FIXTURES)
+    parser.add_argument("--runs", action="store_true", help="also print the per-run table")
     args = parser.parse_args(argv)
     runs = load_runs(args.dir)
+    sets = [name for name in SETS if any(r["set"] == name for r in runs)]
     print(
-        "| rule | set | healthy FP | diverging: early / missed | delay vs onset median (max)"
-        " | delay vs departure median (max) |"
-    )
-    print("|---|---|---|---|---|---|")
-    for name, make in RULES.items():
-        for set_name in ("tune", "holdout"):
-            subset = [r for r in runs if r["set"] == set_name]
-            s = summarize(score_all(subset, make))
-            print(
-                f"| {name} | {set_name} | {s['fp_healthy']}/{s['healthy']} | "
-                f"{s['early']} / {s['missed']} of {s['diverging']} | "
-                f"{_fmt(s['median_onset'])} ({_fmt(s['max_onset'])}) | "
-                f"{_fmt(s['median_dep'])} ({_fmt(s['max_dep'])}) |"
-            )
-    print()
-    names = list(RULES)
-    header = "| run | kind | onset | departure | ours: step (vs onset / vs departure) | "
-    header += " | ".join(n.split(" (")[0] if n != names[0] else "" for n in names[1:]) + " |"
-    print(
-        "| run | kind | onset | departure | ours: step (Δonset / Δdeparture) | "
-        + " | ".join(names[1:])
+        "| rule | set | healthy FP | diverging: early / missed | delay median (max) vs: onset | "
+        + " | ".join(f"{d} departure" for d in DEPARTURES)
         + " |"
     )
-    print("|---|---|---|---|---|" + "---|" * (len(names) - 1))
+    print("|---|---|---|---|---|" + "---|" * len(DEPARTURES))
+    for name, make in RULES.items():
+        for set_name in sets:
+            s = summarize(score_all([r for r in runs if r["set"] == set_name], make))
+            print(
+                f"| {name} | {set_name} | {s['fp_healthy']}/{s['healthy']} | "
+                f"{s['early']} / {s['missed']} of {s['diverging']} | {_pair(s['onset'])} | "
+                + " | ".join(_pair(s[d]) for d in DEPARTURES)
+                + " |"
+            )
+    if not args.runs:
+        return 0
+    print()
+    names = list(RULES)
+    print("| run | kind | onset | departure: strict / s1.5x / s2x | " + " | ".join(names) + " |")
+    print("|---|---|---|---|" + "---|" * len(names))
     all_scores = {n: score_all(runs, m) for n, m in RULES.items()}
     for i, run in enumerate(runs):
         cells = []
         for n in names:
-            s = all_scores[n][i]
-            if s.step is None:
+            sc = all_scores[n][i]
+            if sc.step is None:
                 cells.append("no" if not run["diverges"] else "**missed**")
             elif not run["diverges"]:
-                cells.append(f"**FP @{s.step}**")
+                cells.append(f"**FP @{sc.step}**")
             else:
-                tag = "**early** " if s.false_positive else ""
-                cells.append(f"{tag}{s.step} ({s.delay('onset')} / {s.delay('departure')})")
+                tag = "**early** " if sc.false_positive else ""
+                deltas = " / ".join(_fmt(sc.delay(f)) for f in DEPARTURES.values())
+                cells.append(f"{tag}{sc.step} ({deltas})")
+        deps = " / ".join(_fmt(run.get(f)) for f in DEPARTURES.values())
         print(
-            f"| {run['name']} | {run['kind']} | {_fmt(run['onset'])} | "
-            f"{_fmt(run['departure'])} | " + " | ".join(cells) + " |"
+            f"| {run['name']} | {run['kind']} | {_fmt(run['onset'])} | {deps} | "
+            + " | ".join(cells)
+            + " |"
         )
     return 0
 

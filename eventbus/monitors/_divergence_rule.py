@@ -16,7 +16,7 @@ from typing import Any
 
 __all__ = ["Detection", "DivergenceRule"]
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2
 # 1.4826 * MAD estimates a Gaussian standard deviation; a difference of two independent
 # noisy values has sqrt(2) times the noise of one.
 _MAD_TO_SIGMA = 1.4826 / math.sqrt(2.0)
@@ -39,6 +39,7 @@ class _Baseline:
     log: bool  # ratios (log space) when every recent value is > 0, else differences
     center: float  # median of the recent values, in the space above
     threshold: float  # excess over `center` that counts as elevated, same space
+    low: float  # a lower excess that counts when it lasts one step longer
 
     def level(self) -> float:
         """The baseline in the metric's own units."""
@@ -48,12 +49,13 @@ class _Baseline:
 class DivergenceRule:
     """Flags a metric that goes non-finite or rises and stays up; ignores spikes that return.
 
-    A value is *elevated* when it exceeds the median of the last `window` values by more
-    than `sigmas` times the step-to-step noise and by at least `min_rise` (relative).
-    The rule fires on a non-finite value at once; on `persist` consecutive elevated values
-    whose latest still holds at least `hold` of the excursion's peak (a spike that is
-    coming back down does not count); or on two consecutive values `fast_ratio` times
-    the baseline. Work is in log space, so no default depends on the metric's scale.
+    Against a baseline (the lowest recent rolling median) and the step-to-step noise of the
+    values before the excursion, the rule fires on: a non-finite value at once; `persist`
+    values above `sigmas` x noise among the last `persist` to `persist + slack` (no value in
+    between back near the baseline, the smallest excess at least `hold` x the largest);
+    `persist + 1` consecutive values above `long_sigmas` x noise (same `hold`); or two
+    consecutive values `fast_ratio` x the baseline. Work is in log space, so no default
+    depends on the metric's scale. docs/divergence.md explains the defaults.
     """
 
     def __init__(
@@ -64,10 +66,13 @@ class DivergenceRule:
         memory: int = 30,
         noise_window: int = 50,
         sigmas: float = 3.0,
+        long_sigmas: float = 2.0,
         min_rise: float = 0.2,
         persist: int = 3,
+        slack: int = 1,
+        dip: float = 0.5,
         hold: float = 0.5,
-        fast_ratio: float = 20.0,
+        fast_ratio: float = 12.0,
         once: bool = True,
     ) -> None:
         if warmup < 0:
@@ -80,6 +85,10 @@ class DivergenceRule:
             raise ValueError(f"sigmas and min_rise must be >= 0, got {sigmas}, {min_rise}")
         if persist < 1:
             raise ValueError(f"persist must be >= 1, got {persist}")
+        if slack < 0:
+            raise ValueError(f"slack must be >= 0, got {slack}")
+        if not 0.0 <= dip <= 1.0:
+            raise ValueError(f"dip must be in [0, 1], got {dip}")
         if not 0.0 <= hold <= 1.0:
             raise ValueError(f"hold must be in [0, 1], got {hold}")
         if fast_ratio <= 1.0:
@@ -89,12 +98,18 @@ class DivergenceRule:
         self.memory = memory
         self.noise_window = noise_window
         self.sigmas = sigmas
+        self.long_sigmas = long_sigmas
         self.min_rise = min_rise
         self.persist = persist
+        self.slack = slack
+        self.dip = dip
         self.hold = hold
         self.fast_ratio = fast_ratio
         self.once = once
-        self._values: deque[float] = deque(maxlen=max(window, noise_window + 1))
+        self._values: deque[float] = deque(maxlen=window)
+        # Values that were not elevated when they came: the noise and the recent high are
+        # measured on these, so an earlier spike or excursion cannot inflate the threshold.
+        self._quiet: deque[float] = deque(maxlen=noise_window + 1)
         self._centers: deque[float] = deque(maxlen=memory)  # recent rolling medians (log)
         self._seen = 0  # finite values seen, for the warmup
         self._scale = 0.0  # largest |value| seen: the run's own unit when values reach <= 0
@@ -111,6 +126,7 @@ class DivergenceRule:
     def reset(self) -> None:
         """Forget everything: the next value starts a new warmup."""
         self._values.clear()
+        self._quiet.clear()
         self._centers.clear()
         self._seen = 0
         self._scale = 0.0
@@ -130,11 +146,15 @@ class DivergenceRule:
             level = baseline.level() if baseline is not None else math.nan
             return self._fire(step, value, level, f"non-finite value ({value})")
         detection = None
+        quiet = True
         if self._seen >= self.warmup:
             baseline = self._frozen or self._baseline()
             if baseline is not None:
                 detection = self._judge(step, value, baseline)
+                quiet = not self._excursion
         self._values.append(value)
+        if quiet:
+            self._quiet.append(value)
         self._centers.append(median(list(self._values)[-self.window :]))
         self._seen += 1
         self._scale = max(self._scale, abs(value))
@@ -145,25 +165,57 @@ class DivergenceRule:
             excess = math.log(value) - baseline.center if value > 0 else -math.inf
         else:
             excess = value - baseline.center
-        if excess <= baseline.threshold:
-            self._excursion.clear()
+        run = self._excursion
+        if excess <= baseline.low and not run:
+            self._armed = True
+            return None
+        run.append(excess)
+        if len(run) > self.slack and max(run[-(self.slack + 1) :]) <= baseline.low:
+            # `slack + 1` values back near the baseline in a row: the excursion is over.
+            run.clear()
             self._frozen = None
             self._armed = True
             return None
         self._frozen = baseline
-        self._excursion.append(excess)
-        last = self._excursion[-self.persist :]
-        fast = baseline.log and len(last) >= 2 and min(last[-2:]) >= math.log(self.fast_ratio)
-        if fast:
-            reason = f"{math.exp(excess):.3g}x the baseline for 2 steps"
-            return self._fire(step, value, baseline.level(), reason)
-        # A spike that is coming back (or one that arrives on top of a noisy step) leaves the
-        # smallest of the last `persist` excesses far below the largest: not a new level.
-        if len(last) >= self.persist and min(last) >= self.hold * max(last):
-            rise = f"{math.exp(excess):.3g}x" if baseline.log else f"{excess:.3g} above"
-            reason = f"{rise} the baseline, elevated for {len(self._excursion)} steps"
-            return self._fire(step, value, baseline.level(), reason)
+        why = self._why(baseline)
+        if why is None:
+            return None
+        rise = f"{math.exp(excess):.3g}x" if baseline.log else f"{excess:.3g} above"
+        return self._fire(step, value, baseline.level(), f"{rise} the baseline, {why}")
+
+    def _why(self, baseline: _Baseline) -> str | None:
+        """Which test the excursion so far passes, in words; None while it could be a spike."""
+        run, threshold = self._excursion, baseline.threshold
+        long = run[-(self.persist + 1) :]
+        if len(long) > self.persist and min(long) > baseline.low and _holds(long, self.hold):
+            return f"raised for {len(long)} steps"
+        if run[-1] <= threshold:
+            return None
+        if baseline.log and len(run) >= 2 and min(run[-2:]) >= math.log(self.fast_ratio):
+            return "for 2 steps"
+        if self._sustained(threshold):
+            return f"elevated in {sum(e > threshold for e in run)} of {len(run)} steps"
         return None
+
+    def _sustained(self, threshold: float) -> bool:
+        """Whether the excursion's latest values make a new level rather than a spike.
+
+        `persist` elevated values among the last `persist` to `persist + slack`, every value
+        in that span above `dip` x the threshold (a dip that stays raised is noise on a new
+        level; a return to the baseline is a spike ending), and the smallest elevated excess
+        at least `hold` x the largest (a spike next to a noisy step is not a level).
+        """
+        run = self._excursion
+        for width in range(self.persist, min(len(run), self.persist + self.slack) + 1):
+            span = run[-width:]
+            high = [e for e in span if e > threshold]
+            if (
+                len(high) >= self.persist
+                and min(span) > self.dip * threshold
+                and _holds(high, self.hold)
+            ):
+                return True
+        return False
 
     def _fire(self, step: int, value: float, level: float, reason: str) -> Detection | None:
         if not self._armed:
@@ -181,21 +233,29 @@ class DivergenceRule:
         recent high (a smooth metric that wanders back up to where it just was is no news).
         """
         values = list(self._values)
-        if len(values) < 3:
+        noisy = list(self._quiet)
+        if len(values) < 3 or len(noisy) < 3:
             return None
-        noisy = values[-(self.noise_window + 1) :]
         level = min(self._centers)
-        if min(values) > 0 and level > 0:
+        if min(values) > 0 and min(noisy) > 0 and level > 0:
             logs = [math.log(v) for v in noisy]
-            threshold = max(
-                self.sigmas * _noise(logs), math.log1p(self.min_rise), _high(logs) - math.log(level)
+            noise, floor = (
+                _noise(logs),
+                max(math.log1p(self.min_rise), _high(logs) - math.log(level)),
             )
-            return _Baseline(True, math.log(level), threshold)
+            return _Baseline(
+                True,
+                math.log(level),
+                max(self.sigmas * noise, floor),
+                max(self.long_sigmas * noise, floor),
+            )
         # A value <= 0 rules out ratios: measure raw differences instead, floored relative
         # to the level or, when that is 0, to the largest value the run has logged.
         floor = self.min_rise * (abs(level) or self._scale)
-        threshold = max(self.sigmas * _noise(noisy), floor, _high(noisy) - level)
-        return _Baseline(False, level, threshold)
+        noise, floor = _noise(noisy), max(floor, _high(noisy) - level)
+        return _Baseline(
+            False, level, max(self.sigmas * noise, floor), max(self.long_sigmas * noise, floor)
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume with the same baseline: plain floats, lists and bools."""
@@ -203,11 +263,14 @@ class DivergenceRule:
         return {
             "version": _STATE_VERSION,
             "values": list(self._values),
+            "quiet": list(self._quiet),
             "centers": list(self._centers),
             "seen": self._seen,
             "scale": self._scale,
             "excursion": list(self._excursion),
-            "frozen": None if frozen is None else [frozen.log, frozen.center, frozen.threshold],
+            "frozen": None
+            if frozen is None
+            else [frozen.log, frozen.center, frozen.threshold, frozen.low],
             "fired": self._fired,
             "armed": self._armed,
         }
@@ -215,9 +278,15 @@ class DivergenceRule:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict()` returned (the constructor's parameters are not saved)."""
         if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"unknown DivergenceRule state version {state.get('version')!r}")
+            raise ValueError(
+                f"unknown DivergenceRule state version {state.get('version')!r} (this version "
+                f"reads {_STATE_VERSION}): start the detector without it, it re-learns its "
+                "baseline after the warmup"
+            )
         self._values.clear()
         self._values.extend(float(v) for v in state["values"])
+        self._quiet.clear()
+        self._quiet.extend(float(v) for v in state["quiet"])
         self._centers.clear()
         self._centers.extend(float(v) for v in state["centers"])
         self._seen = int(state["seen"])
@@ -227,10 +296,15 @@ class DivergenceRule:
         self._frozen = (
             None
             if frozen is None
-            else _Baseline(bool(frozen[0]), float(frozen[1]), float(frozen[2]))
+            else _Baseline(bool(frozen[0]), float(frozen[1]), float(frozen[2]), float(frozen[3]))
         )
         self._fired = bool(state["fired"])
         self._armed = bool(state["armed"])
+
+
+def _holds(excesses: list[float], hold: float) -> bool:
+    """Whether the smallest excess is at least `hold` x the largest: a level, not a spike."""
+    return min(excesses) >= hold * max(excesses)
 
 
 def _noise(values: list[float]) -> float:

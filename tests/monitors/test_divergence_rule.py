@@ -20,7 +20,9 @@ RUNS: list[dict[str, Any]] = [
 HEALTHY = [r for r in RUNS if not r["diverges"]]
 DIVERGING = [r for r in RUNS if r["diverges"]]
 # A 2-step corrupted-target spike under SGD+momentum: momentum carries the bad update on
-# and the loss stays 4x up a third step. Held out (never tuned on); known miss.
+# and the loss stays 4x up a third step (5.0x, 3.0x, 4.1x, then 0.95x). An LR jump in the
+# tune set starts the same way (7.0x, 3.0x, 3.9x, and stays), so the rule cannot tell them
+# apart on the third step. Held out (never tuned on); known false positive.
 KNOWN_HOLDOUT_FP = {"holdout_reg_sgd_spikes_611"}
 
 
@@ -58,42 +60,68 @@ def test_healthy_run_never_fires(run: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("run", DIVERGING, ids=_ids(DIVERGING))
-def test_diverging_run_fires_after_onset(run: dict[str, Any]) -> None:
+def test_diverging_run_fires_after_onset_on_a_raised_value(run: dict[str, Any]) -> None:
     detection = first_detection(run["loss"])
     assert detection is not None
     assert detection.step >= run["onset"]
-    assert detection.step >= run["departure"] - 1  # never on noise before the loss moves
+    if math.isfinite(detection.value):  # it fired on a loss that is really up, not on noise
+        before = run["loss"][max(0, run["onset"] - 51) : run["onset"] - 1]
+        assert detection.value > 1.2 * statistics.median(before)
 
 
-def _delays(runs: list[dict[str, Any]]) -> list[int]:
-    out = []
+# Departure definitions (fixture fields, computed by make_runs.py): "strict" is the first
+# step beyond the pre-onset max or 1.5x median; "s15"/"s2" the first step from which 10
+# values stay above 1.5x / 2x the pre-onset median. The acceptance budget: median delay
+# <= 2 and max <= 3 steps after departure.
+DEPARTURE_FIELDS = ["departure", "departure_s15", "departure_s2"]
+
+
+def _delays(runs: list[dict[str, Any]], field: str) -> dict[str, int]:
+    out = {}
     for run in runs:
         detection = first_detection(run["loss"])
-        assert detection is not None
-        out.append(detection.step - run["departure"])
+        assert detection is not None, run["name"]
+        if run[field] is not None:
+            out[run["name"]] = detection.step - run[field]
     return out
 
 
-@pytest.mark.parametrize("set_name", ["tune", "holdout"])
-def test_jumps_and_nan_detected_within_budget(set_name: str) -> None:
-    runs = [r for r in DIVERGING if r["set"] == set_name and r["kind"] in ("lr_jump", "nan_weight")]
-    if set_name == "holdout":
-        # Held out and reported, not tuned: two mild LR jumps (char_gru 537, blobs 727) take
-        # 10 and 19 steps; see docs/divergence.md.
-        runs = [r for r in runs if r["task"] != "blobs_cls" and not r["name"].endswith("537")]
-    delays = _delays(runs)
-    assert statistics.median(delays) <= 2
-    assert max(delays) <= 3
+def _within_budget(delays: dict[str, int]) -> None:
+    assert statistics.median(delays.values()) <= 2, delays
+    late = {name: d for name, d in delays.items() if d > 3}
+    assert not late
+
+
+@pytest.mark.parametrize("field", ["departure_s15", "departure_s2"])
+def test_tune_set_within_budget_of_sustained_departure(field: str) -> None:
+    _within_budget(_delays([r for r in DIVERGING if r["set"] == "tune"], field))
+
+
+@pytest.mark.parametrize("field", DEPARTURE_FIELDS)
+def test_jumps_and_nan_within_budget_of_any_departure(field: str) -> None:
+    runs = [r for r in DIVERGING if r["kind"] in ("lr_jump", "nan_weight")]
+    # Held out, reported, not tuned on: blobs (CE ~0.12, +-70% batch noise, so 3 sigma is
+    # 3.4x) after a mild LR jump sits at 2-3x, then dips: fired 6 steps after departure.
+    runs = [r for r in runs if r["name"] != "holdout_blobs_cls_lr_jump_727"]
+    _within_budget(_delays(runs, field))
 
 
 @pytest.mark.xfail(
     strict=True,
-    reason="slow ramps: departure (first beyond the pre-onset max "
-    "or 1.5x median) is often a noise step; see docs/divergence.md",
+    reason="slow ramps: the strict departure (first step beyond the pre-onset max or 1.5x "
+    "median) is often a noise step 20-40 steps before the loss leaves; see docs/divergence.md",
 )
-def test_ramps_detected_within_three_steps_of_departure() -> None:
-    runs = [r for r in DIVERGING if r["set"] == "tune" and r["kind"] in ("lr_ramp", "slow")]
-    assert max(_delays(runs)) <= 3
+def test_tune_ramps_within_budget_of_strict_departure() -> None:
+    _within_budget(_delays([r for r in DIVERGING if r["set"] == "tune"], "departure"))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="held out: blobs LR jump 727 (6 steps) and LR ramp 727 (5): a divergence at 2-3x "
+    "under +-70% noise; see docs/divergence.md",
+)
+def test_holdout_within_budget_of_sustained_departure() -> None:
+    _within_budget(_delays([r for r in DIVERGING if r["set"] == "holdout"], "departure_s15"))
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
@@ -207,6 +235,55 @@ def test_three_elevated_steps_fire_on_the_third() -> None:
     assert detection.value == 7.0
 
 
+def test_fast_path_needs_two_steps_past_twelve_times() -> None:
+    base = noisy(200, 2.0, 0.05, seed=2)
+    detection = first_detection([*base, 26.0, 26.0])
+    assert detection is not None
+    assert detection.step == 202
+    assert "for 2 steps" in detection.reason
+    assert first_detection([*base, 18.0, 18.0, 2.0, 2.0, 2.0]) is None  # a 9x spike
+
+
+def test_raised_dip_does_not_reset_persistence() -> None:
+    base = noisy(200, 1.0, 0.2, seed=4)
+    rise = [3.0, 3.0, 1.3, 3.0]  # noisy new level: the dip is still well above baseline
+    detection = first_detection([*base, *rise])
+    assert detection is not None
+    assert detection.step == 204
+    assert "3 of 4" in detection.reason
+    assert first_detection([*base, *rise], DivergenceRule(slack=0)) is None
+
+
+def test_spike_back_to_baseline_then_noise_does_not_fire() -> None:
+    base = noisy(200, 1.0, 0.2, seed=4)
+    assert first_detection([*base, 3.0, 3.0, 1.0, 2.5, 1.0, 1.0]) is None
+
+
+def test_longer_rise_below_three_sigma_fires_on_its_fourth_step() -> None:
+    base = noisy(200, 1.0, 0.2, seed=5)
+    detection = first_detection([*base, 1.5, 1.45, 1.55, 1.5, 1.55])
+    assert detection is not None
+    assert detection.step == 204
+    assert "raised for 4 steps" in detection.reason
+    assert (
+        first_detection([*base, 1.5, 1.45, 1.55, 1.5, 1.55], DivergenceRule(long_sigmas=3.0))
+        is None
+    )
+
+
+def test_earlier_spikes_do_not_raise_the_threshold() -> None:
+    values = noisy(260, 2.0, 0.05, seed=6)
+    values[200:260] = [3.0] * 60  # a real rise to 1.5x
+    clean = first_detection(values)
+    assert clean is not None
+    spiked = list(values)
+    spiked[150:152] = [12.0, 12.0]
+    spiked[170:172] = [12.0, 12.0]
+    detection = first_detection(spiked)
+    assert detection is not None
+    assert detection.step == clean.step == 203
+
+
 def test_fires_once_unless_reset() -> None:
     rule = DivergenceRule()
     assert rule.update(1, math.nan) is not None
@@ -230,6 +307,8 @@ def test_rearms_after_excursion_when_not_once() -> None:
         {"warmup": -1},
         {"window": 2},
         {"persist": 0},
+        {"slack": -1},
+        {"dip": 2.0},
         {"hold": 1.5},
         {"fast_ratio": 1.0},
         {"memory": 0},
