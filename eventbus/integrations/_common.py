@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import enum
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
 from eventbus.bus import EventBus
 
-__all__ = ["is_number", "jsonable", "missing_framework", "stop_state"]
+__all__ = ["jsonable", "metric", "missing_framework", "numeric_items", "stop_state"]
 
 _SCALARS = (str, int, float, bool, type(None))
 
@@ -38,13 +39,30 @@ def jsonable(v: Any, *, _depth: int = 0) -> Any:
     return str(v)
 
 
-def is_number(v: Any) -> bool:
-    """True for ints, floats and tensors (values a metric event may carry); False for bools."""
+def metric(v: Any) -> Any:
+    """`v` as a metric event carries it, or None when it is not a number (bools are not).
+
+    Tensors and Python numbers pass unchanged (a tensor is captured at publish, never read
+    here); NumPy scalars become Python numbers (host memory: no device involved).
+    """
     if isinstance(v, bool):
-        return False
-    if isinstance(v, int | float):
-        return True
-    return hasattr(v, "device") and hasattr(v, "numel")
+        return None
+    if type(v) is int or type(v) is float or (hasattr(v, "device") and hasattr(v, "numel")):
+        return v
+    if isinstance(v, numbers.Integral):
+        return int(v)
+    if isinstance(v, numbers.Real):
+        return float(v)
+    return None
+
+
+def numeric_items(values: Mapping[Any, Any], skip: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The numeric entries of `values` (see `metric`), keys as strings, `skip` left out."""
+    out = {}
+    for k, v in values.items():
+        if k not in skip and (m := metric(v)) is not None:
+            out[str(k)] = m
+    return out
 
 
 def stop_state(bus: EventBus) -> tuple[bool, bool]:

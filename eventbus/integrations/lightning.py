@@ -32,7 +32,13 @@ from eventbus.events import (
     StepEnded,
     StepStarted,
 )
-from eventbus.integrations._common import is_number, jsonable, missing_framework, stop_state
+from eventbus.integrations._common import (
+    jsonable,
+    metric,
+    missing_framework,
+    numeric_items,
+    stop_state,
+)
 
 try:
     from lightning.pytorch import Callback, LightningModule, Trainer
@@ -268,9 +274,9 @@ class EventBusCallback(Callback):  # type: ignore[misc]
         self.bus.publish(CheckpointSaved(step=step, path=_last_checkpoint_path(trainer)))
 
 
-def eval_metrics(metrics: Any) -> dict[str, Any]:
+def eval_metrics(values: Any) -> dict[str, Any]:
     """`trainer.callback_metrics` (tensors kept as tensors) plus `loss` = the validation loss."""
-    out = {str(k): v for k, v in dict(metrics).items() if is_number(v)}
+    out = numeric_items(values)
     if "loss" not in out:
         for key in _VAL_LOSS_KEYS:
             if key in out:
@@ -287,7 +293,7 @@ def _loss_of(outputs: Any) -> Any:
         outputs = outputs.get("loss")
     if hasattr(outputs, "detach"):
         return outputs.detach()  # no copy, no sync; the bus snapshots it at publish
-    return outputs if is_number(outputs) else None
+    return metric(outputs)
 
 
 def _batch_size(batch: Any) -> int:

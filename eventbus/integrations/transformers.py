@@ -34,7 +34,13 @@ from eventbus.events import (
     StepEnded,
     StepStarted,
 )
-from eventbus.integrations._common import is_number, jsonable, missing_framework, stop_state
+from eventbus.integrations._common import (
+    jsonable,
+    metric,
+    missing_framework,
+    numeric_items,
+    stop_state,
+)
 
 try:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -204,11 +210,11 @@ class EventBusCallback(TrainerCallback):
         if not logs:
             return
         step = state.global_step
-        loss = logs.get("loss")
-        if loss is not None and is_number(loss):
+        loss = metric(logs.get("loss"))
+        if loss is not None:
             # The Trainer's own mean over the logging window (already a float it synced).
             self.bus.publish(Loss(step=step, value=loss))
-        lr, grad_norm = logs.get("learning_rate"), logs.get("grad_norm")
+        lr, grad_norm = metric(logs.get("learning_rate")), metric(logs.get("grad_norm"))
         pending = self._pending
         if pending is not None and pending.step == step:
             if lr is not None:
@@ -218,7 +224,7 @@ class EventBusCallback(TrainerCallback):
         elif lr is not None or grad_norm is not None:
             # No on_optimizer_step hook in this transformers: the logs are all we have.
             self.bus.publish(OptimizerStepped(step=step, lr=lr, grad_norm=grad_norm))
-        rest = {k: v for k, v in logs.items() if k not in _OWN_KEYS and is_number(v)}
+        rest = numeric_items(logs, skip=_OWN_KEYS)
         if rest:
             self.bus.publish(Scalars(step=step, values=rest))
 
@@ -247,13 +253,13 @@ class EventBusCallback(TrainerCallback):
             self._pending = None
 
 
-def eval_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+def eval_metrics(values: dict[str, Any]) -> dict[str, Any]:
     """The Trainer's metrics (numeric ones, keys unchanged) plus `loss` = its `<prefix>_loss`.
 
     `EvalEnded.metrics["loss"]` is what monitors read; the Trainer names it `eval_loss`
     (or `<prefix>_loss`), so the alias is added when exactly one such key exists.
     """
-    out = {k: v for k, v in metrics.items() if is_number(v)}
+    out = numeric_items(values)
     if "loss" not in out:
         losses = [k for k in out if k.endswith("_loss")]
         if len(losses) == 1:
