@@ -62,10 +62,10 @@ def _lightning(bus: EventBus, steps: int) -> float:
     out = {"loss": torch.tensor(1.0)}
     t0 = time.perf_counter_ns()
     for k in range(steps):
-        cb.on_train_batch_start(trainer, None, batch, k)  # type: ignore[arg-type]
-        cb.on_before_optimizer_step(trainer, None, opt)  # type: ignore[arg-type]
+        cb.on_train_batch_start(trainer, None, batch, k)
+        cb.on_before_optimizer_step(trainer, None, opt)
         trainer.global_step = k + 1
-        cb.on_train_batch_end(trainer, None, out, batch, k)  # type: ignore[arg-type]
+        cb.on_train_batch_end(trainer, None, out, batch, k)
     return (time.perf_counter_ns() - t0) / steps / 1000
 
 
