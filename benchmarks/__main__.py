@@ -153,6 +153,7 @@ def table(r: dict[str, Any]) -> str:
          "eventbus"),
         ("(c) the same inline, as the peers do it (incl. the 50 ms callback)", "inline"),
         ("(c') inline without the 50 ms callback", "inline_nosleep"),
+        ("(b') eventbus as (b), `drain_interval=0.05` (default 0.005)", "eventbus_drain50"),
     ]
     for prefix in ("stall", "stall_cuda"):
         if f"{prefix}.none_p50_ms" not in r:
@@ -173,6 +174,9 @@ def table(r: dict[str, Any]) -> str:
         "|---|---:|",
         f"| events published -> JSON lines on disk (lossless) | "
         f"{_fmt(r.get('throughput.events'))} |",
+        f"| bus-side CPU per step in (b) / (b'), ms | "
+        f"{_fmt(r.get('stall.eventbus_bus_side_cpu_ms_per_step'))} / "
+        f"{_fmt(r.get('stall.eventbus_drain50_bus_side_cpu_ms_per_step'))} |",
         f"| sustained events/s, first publish to close() returned | "
         f"{_fmt(r.get('throughput.events_per_s'))} |",
         f"| publisher alone, events/s | {_fmt(r.get('throughput.publish_events_per_s'))} |",

@@ -10,7 +10,9 @@ in blocks that rotate between the variants so drift cancels:
   (c) inline    the same work as synchronous callbacks on the training thread, as the peers
                 do it: `.item()`, SummaryWriter.add_scalar + flush per step, a JSON line
                 written and flushed, the divergence rule, an RSS read, the 50 ms sleep;
-  (c') inline_nosleep: (c) without the sleep (what logging alone costs inline).
+  (c') inline_nosleep: (c) without the sleep (what logging alone costs inline);
+  (b') eventbus_drain50: (b) with `drain_interval=0.05` instead of the default 5 ms (fewer,
+                larger batches: less bus-side work per step, 50 ms later to the sinks).
 
 With `device="cuda"` the model runs on the GPU and every variant synchronises at the end of
 each step (so the step time includes the device's work); (c)'s `.item()` syncs mid-step.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import tempfile
 import time
 from collections.abc import Callable
@@ -41,7 +44,7 @@ __all__ = ["measure", "plot", "run"]
 
 SLEEP_S = 0.05
 WARMUP_STEPS = 5  # dropped at the start of every block (bus start-up, cold caches)
-VARIANTS = ("none", "eventbus", "inline", "inline_nosleep")
+VARIANTS = ("none", "eventbus", "inline", "inline_nosleep", "eventbus_drain50")
 
 
 class _Sleeper:
@@ -104,12 +107,18 @@ def _run_none(tr: _Trainer, steps: int) -> list[float]:
     return out
 
 
-def _make_bus(root: Path) -> Any:
+def _other_threads_cpu_s() -> float:
+    """CPU seconds used by every thread but this one (the bus thread and its workers)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime - time.thread_time()
+
+
+def _make_bus(root: Path, drain_interval: float) -> Any:
     from eventbus import EventBus
     from eventbus.monitors import DivergenceDetector, MemoryProfiler, SpeedMonitor
     from eventbus.sinks import JsonlWriter, TensorBoardSink
 
-    bus = EventBus()
+    bus = EventBus(drain_interval=drain_interval)
     bus.subscribe(JsonlWriter(root / "jsonl"))
     bus.subscribe(TensorBoardSink(root / "tb"))
     bus.subscribe(DivergenceDetector(action="warn"))
@@ -119,16 +128,18 @@ def _make_bus(root: Path) -> Any:
     return bus
 
 
-def _run_eventbus(tr: _Trainer, steps: int, root: Path, totals: dict[str, int]) -> list[float]:
+def _run_eventbus(tr: _Trainer, steps: int, root: Path, totals: dict[str, int],
+                  drain_interval: float = 0.005) -> list[float]:
     from eventbus.events import Loss, OptimizerStepped, StepEnded
 
-    bus = _make_bus(root)
+    bus = _make_bus(root, drain_interval)
     pc = time.perf_counter
     out = []
     lr, bs = tr.lr, tr.batch
     prev: float | None = None
     with bus:
         publish = bus.publish
+        cpu0 = _other_threads_cpu_s()
         for i in range(steps):
             t0 = pc()
             loss, gn = tr.step(i)
@@ -138,6 +149,9 @@ def _run_eventbus(tr: _Trainer, steps: int, root: Path, totals: dict[str, int]) 
             tr.end_step()
             prev = pc() - t0
             out.append(prev)
+        cpu_ms = (_other_threads_cpu_s() - cpu0) * 1e3
+    totals["bus_side_cpu_us"] = totals.get("bus_side_cpu_us", 0) + round(cpu_ms * 1e3)
+    totals["steps"] = totals.get("steps", 0) + steps
     st = bus.stats()
     for name, sub in st.subscribers.items():
         key = "sleeper" if name == "sleeper" else "others"
@@ -232,6 +246,7 @@ def _measure(
     steps = steps if steps is not None else (50 if quick else 150)
     tr = _Trainer(device)
     totals: dict[str, int] = {}
+    totals50: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix="eventbus-bench-stall-") as d:
         tmp = Path(d)
         counter = iter(range(1_000_000))
@@ -249,10 +264,13 @@ def _measure(
             "eventbus": lambda b: keep(_run_eventbus(tr, steps, fresh(), totals)),
             "inline": lambda b: keep(_run_inline(tr, steps, fresh(), sleep=True)),
             "inline_nosleep": lambda b: keep(_run_inline(tr, steps, fresh(), sleep=False)),
+            "eventbus_drain50": lambda b: keep(_run_eventbus(tr, steps, fresh(), totals50,
+                                                             drain_interval=0.05)),
         }
         for fn in variants.values():  # warm-up: imports, allocator, first SummaryWriter
             fn(-1)
         totals.clear()
+        totals50.clear()
         per_block = interleave_blocks(variants, blocks=blocks)
     samples = {name: flatten(b) for name, b in per_block.items()}
     out: dict[str, Any] = {}
@@ -271,8 +289,14 @@ def _measure(
     out["stall.torch_threads"] = torch_threads()
     out["stall.steps_per_variant"] = len(samples["none"])
     out["stall.blocks"] = blocks
-    for k, v in totals.items():
-        out[f"stall.eventbus_{k}"] = v
+    for name, tot in (("eventbus", totals), ("eventbus_drain50", totals50)):
+        steps_b = tot.pop("steps", 0)
+        cpu_us = tot.pop("bus_side_cpu_us", 0)
+        for k, v in tot.items():
+            out[f"stall.{name}_{k}"] = v
+        # What the bus side (bus thread, workers) ran per step, competing for the GIL.
+        out[f"stall.{name}_bus_side_cpu_ms_per_step"] = round(cpu_us / 1e3 / max(steps_b, 1),
+                                                              3)
     return out, samples
 
 
@@ -298,9 +322,10 @@ def plot(samples: dict[str, list[float]], path: str | os.PathLike[str], title: s
 
     labels = {"none": "(a) no instrumentation", "eventbus": "(b) eventbus, 6 subscribers",
               "inline": "(c) inline callbacks (peers)",
-              "inline_nosleep": "(c') inline, without the 50 ms callback"}
+              "inline_nosleep": "(c') inline, without the 50 ms callback",
+              "eventbus_drain50": "(b') eventbus, drain_interval 50 ms"}
     colors = {"none": "#444444", "eventbus": "#1f77b4", "inline": "#d62728",
-              "inline_nosleep": "#ff9896"}
+              "inline_nosleep": "#ff9896", "eventbus_drain50": "#17becf"}
     ms = {k: np.asarray(v) * 1e3 for k, v in samples.items() if v}
     lo = min(float(v.min()) for v in ms.values())
     hi = max(float(v.max()) for v in ms.values())
