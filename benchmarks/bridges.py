@@ -15,6 +15,7 @@ import argparse
 import statistics
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -36,9 +37,9 @@ def _hf(bus: EventBus, steps: int) -> float:
 
     cb = EventBusCallback(bus)
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-    args = SimpleNamespace(per_device_train_batch_size=8, gradient_accumulation_steps=1)
-    state = SimpleNamespace(global_step=0, num_input_tokens_seen=0)
-    control = SimpleNamespace(should_training_stop=False, should_save=False,
+    args: Any = SimpleNamespace(per_device_train_batch_size=8, gradient_accumulation_steps=1)
+    state: Any = SimpleNamespace(global_step=0, num_input_tokens_seen=0)
+    control: Any = SimpleNamespace(should_training_stop=False, should_save=False,
                               should_evaluate=False)
     t0 = time.perf_counter_ns()
     for k in range(steps):
@@ -57,7 +58,7 @@ def _lightning(bus: EventBus, steps: int) -> float:
 
     cb = EventBusCallback(bus)
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-    trainer = SimpleNamespace(global_step=0, should_stop=False)
+    trainer: Any = SimpleNamespace(global_step=0, should_stop=False)
     batch = (torch.zeros(8, 4), torch.zeros(8, 1))
     out = {"loss": torch.tensor(1.0)}
     t0 = time.perf_counter_ns()
