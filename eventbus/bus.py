@@ -775,19 +775,24 @@ class EventBus:
         """Drain, then close subscribers newest first; what they publish while closing
         still reaches those not yet closed. Whatever is still busy at the deadline is hung."""
         deadline = self._close_deadline
-        live = [r for r in self._runners if r.queue is not None and r.state not in ("removed",)]
-        for r in reversed(live):
-            drained = await self._drain_until_idle(tg, live, deadline)
-            if not drained:
+        while await self._drain_until_idle(tg, deadline):
+            # Recomputed each round: a subscribe() just before close() is attached by the
+            # drain above, and must be drained and closed like the others.
+            live = [r for r in self._open_runners() if r.state in ("running", "disabled")]
+            if not live:
+                # Removed subscribers finish in their own _retire task: wait for them.
+                while any(r.state == "removed" for r in self._runners):
+                    if time.monotonic() >= deadline:
+                        break
+                    await anyio.sleep(0.001)
                 break
-            if r.state in ("running", "disabled"):
-                with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
-                    await r.call_hook("on_close")
-                if r.busy_since is None:
-                    r.state = "closed"
-                    self._routes.clear()
-        else:
-            await self._drain_until_idle(tg, [], deadline)
+            r = live[-1]
+            with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
+                await r.call_hook("on_close")
+            if r.busy_since is not None:
+                break  # its on_close hung: the deadline passed
+            r.state = "closed"
+            self._routes.clear()
         self._accepting = False
         hung = []
         for r in self._runners:
@@ -813,18 +818,19 @@ class EventBus:
                 busy_with={r.name: r.busy_with for r in self._runners if r.name in hung},
             )
 
-    async def _drain_until_idle(
-        self, tg: TaskGroup, runners: list[Runner], deadline: float
-    ) -> bool:
-        """Route the inbox and let these runners finish their queues; False at the deadline."""
+    def _open_runners(self) -> list[Runner]:
+        """Runners attached on the loop and not closed yet (removed ones still draining too)."""
+        return [r for r in self._runners if r.queue is not None and r.state != "closed"]
+
+    async def _drain_until_idle(self, tg: TaskGroup, deadline: float) -> bool:
+        """Route the inbox and let every open runner finish its queue; False at the deadline."""
         while time.monotonic() < deadline:
             with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
                 await self._drain(tg)
             if self._inbox:
                 await anyio.sleep(0)
-            elif _idle([r for r in runners if r.state not in ("closed", "removed")]):
-                if not self._inbox:
-                    return True
+            elif _idle(self._open_runners()):  # recomputed: the drain may attach runners
+                return True
             else:
                 await anyio.sleep(0.001)
         return False

@@ -253,7 +253,7 @@ class Runner:
                 await q.wait()
                 continue
             batch = q.take(self.max_batch)
-            if self.state != "running":  # disabled: count, do not call
+            if self.state == "disabled":  # count, do not call
                 q.dropped += len(batch)
                 self._check_markers()
                 continue

@@ -128,7 +128,7 @@ def test_raising_subscriber_is_isolated_and_counted() -> None:
     assert len(good.got) == 1000
     failures = [e for e in logs if e["event"] == "subscriber failed"]
     assert failures and failures[0]["event_type"] == "Loss"
-    assert failures[0]["subscriber"] == "test_raising_subscriber_is_isolated_and_counted.<locals>.flaky"
+    assert failures[0]["subscriber"].endswith("<locals>.flaky")
     assert len(failures) < 10  # rate-limited, not one line per failure
 
 
@@ -172,7 +172,7 @@ def test_hung_subscribers_cannot_stop_close() -> None:
         st = bus.close(timeout=1)
     elapsed = time.monotonic() - t0
     assert elapsed < 1.6
-    assert set(st.hung) == {"HungAsync", "test_hung_subscribers_cannot_stop_close.<locals>.hung_sync"}
+    assert sorted(st.hung) == ["HungAsync", hung_sync.__qualname__]
     assert len(good.got) == 10
     assert any("abandoned" in e["event"] for e in logs)
 
@@ -421,9 +421,11 @@ def test_publishing_from_other_threads_and_async(bus: EventBus, recorder: Record
 def test_unstarted_bus_with_a_full_inbox_says_what_to_do() -> None:
     bus = EventBus(inbox_maxsize=10)
     bus.subscribe(Recorder())
+    for i in range(10):
+        bus.publish(Loss(step=i, value=1.0))
     with pytest.raises(RuntimeError, match="never started"):
-        for i in range(20):
-            bus.publish(Loss(step=i, value=1.0))
+        bus.publish(Loss(step=10, value=1.0))
+    assert bus.stats().inbox_size == 10  # the refused event was not queued
 
 
 def test_full_inbox_with_only_lossy_subscribers_drops_and_counts_exactly() -> None:
@@ -445,3 +447,41 @@ def test_full_inbox_with_only_lossy_subscribers_drops_and_counts_exactly() -> No
     assert st.delivered + st.dropped == n
     assert st.dropped > 0 and len(seen) == st.delivered
     assert bus.stats().blocked_s == 0.0  # never waited: there is no lossless subscriber
+
+
+def test_subscribe_then_close_at_once_delivers_everything() -> None:
+    rec = Recorder()
+    with EventBus() as bus:
+        bus.subscribe(rec)
+        for s in range(10):
+            bus.publish(Loss(step=s, value=1.0))
+    assert [e.step for e in rec.got] == list(range(10))
+
+
+def test_removed_subscriber_still_gets_what_was_queued_then_closes() -> None:
+    gate = threading.Event()
+    got: list[int | None] = []
+    closed: list[bool] = []
+
+    class Slow:
+        policy = "block"
+
+        def on_events(self, batch: list[Event]) -> None:
+            gate.wait(5)
+            got.extend(ev.step for ev in batch)
+
+        def on_close(self) -> None:
+            closed.append(True)
+
+    bus = EventBus()
+    h = bus.subscribe(Slow(), max_batch=1)
+    with bus:
+        for s in range(5):
+            bus.publish(Loss(step=s, value=1.0))
+        bus.flush(0.2)  # routed, mostly still queued behind the gate
+        h.remove()
+        bus.publish(Loss(step=99, value=1.0))  # after remove(): not for it
+        gate.set()
+    assert got == [0, 1, 2, 3, 4] and closed == [True]
+    st = h.stats()
+    assert st is not None and st.dropped == 0 and st.state == "closed"
