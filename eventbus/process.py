@@ -8,13 +8,15 @@
 
 On the bus side it is an ordinary async subscriber: the runner's queue, policy, drops,
 failures and latency are counted in `bus.stats()` as for any other. The pipe I/O runs in a
-worker thread (the loop never blocks on a slow child). The child is started with `spawn`
-(a fresh interpreter: no inherited threads, locks or CUDA state), ignores SIGINT (the parent
-decides when it ends), ends when the bus closes it, and exits by itself within ~0.2 s when the
-parent process is gone (it watches `os.getppid()` and the pipe).
+worker thread (the loop never blocks on a slow child). The child is a fresh interpreter
+(spawn semantics: no inherited threads, locks or CUDA state) that never imports the parent's
+`__main__`; it ignores SIGINT (the parent decides when it ends), ends when the bus closes it,
+and exits by itself within ~0.2 s when the parent process is gone (it watches `os.getppid()`
+and the socket).
 
-The subscriber must be picklable (a module-level class or function), or be given as an import
-path `"package.module:factory"` with `args` / `kwargs`, built in the child.
+The subscriber must be picklable from an importable module (not the script run as
+`__main__`), or be given as an import path `"package.module:factory"` with `args` /
+`kwargs`, built in the child. Linux and macOS (the child gets its socket by fd).
 """
 
 from __future__ import annotations
@@ -24,17 +26,21 @@ import contextlib
 import dataclasses
 import importlib
 import inspect
-import multiprocessing
+import json
 import operator
 import os
 import pickle
+import pickletools
 import signal
+import socket
+import subprocess
 import sys
 import threading
 import time
 import traceback
 import weakref
 from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
 from typing import Any
 
 import anyio
@@ -133,6 +139,54 @@ def _maker(tname: str, module: str, names: tuple[str, ...]) -> Callable[[tuple[A
 # -- the parent side -------------------------------------------------------------------------
 
 
+class _Child:
+    """The child process: a fresh interpreter running `_child_entry` (see `_launch`)."""
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self.popen = popen
+        self.pid = popen.pid
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()  # negative: killed by that signal
+
+    def join(self, timeout: float | None) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout)
+
+    def terminate(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.popen.terminate()
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.popen.kill()
+
+
+_BOOT = "from eventbus.process import _child_entry; _child_entry()"
+_PATH_ENV = "EVENTBUS_CHILD_SYS_PATH"
+
+
+def _launch(name: str) -> tuple[_Child, Connection]:
+    """Start a fresh interpreter (spawn semantics: no inherited threads, locks or CUDA state)
+    connected by a socket pair. Unlike multiprocessing's spawn it never re-imports the
+    parent's `__main__`: a training script without an `if __name__ == "__main__":` guard
+    would otherwise start training again inside the child."""
+    ours, theirs = socket.socketpair()
+    env = {**os.environ, _PATH_ENV: json.dumps([p for p in sys.path if p])}
+    try:
+        popen = subprocess.Popen(
+            [sys.executable, "-c", _BOOT, str(theirs.fileno()), name],
+            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env,
+        )
+    finally:
+        theirs.close()  # the child's copy stays open: it sees EOF only when we are gone
+    return _Child(popen), Connection(ours.detach())
+
+
 def _kill(proc: Any) -> None:
     """Terminate, then kill, a child still alive (also a finaliser at interpreter exit)."""
     try:
@@ -142,8 +196,22 @@ def _kill(proc: Any) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join(1.0)
-    except (OSError, ValueError, AssertionError):  # already reaped / not ours to join
+    except OSError:  # already reaped
         pass
+
+
+def _refers_to_main(data: bytes) -> bool:
+    """Whether a pickle names a class or function of `__main__` (the script being run)."""
+    strings = set()
+    has_global = False
+    for op, arg, _ in pickletools.genops(data):
+        if op.name in ("GLOBAL", "INST") and str(arg).startswith("__main__ "):
+            return True
+        if op.name == "STACK_GLOBAL":
+            has_global = True
+        elif isinstance(arg, str):
+            strings.add(arg)
+    return has_global and "__main__" in strings
 
 
 class ProcessSubscriber:
@@ -181,13 +249,21 @@ class ProcessSubscriber:
                                 "already built subscriber")
             template = sub
             try:
-                self._target = ("pickled", pickle.dumps(sub, protocol=pickle.HIGHEST_PROTOCOL))
+                data = pickle.dumps(sub, protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as e:
                 raise TypeError(
                     f"placement='process' needs a picklable subscriber; {describe(sub)!r} is "
                     f"not ({type(e).__name__}: {e}). Define it at module level, or pass an "
                     "import path: ProcessSubscriber('package.module:factory', kwargs={...})"
                 ) from e
+            if _refers_to_main(data):
+                raise TypeError(
+                    f"placement='process': {describe(sub)!r} is defined in the script being "
+                    "run (__main__), which the child does not import (it would run your "
+                    "training again). Move it to a module, or pass an import path: "
+                    "ProcessSubscriber('package.module:factory', kwargs={...})"
+                )
+            self._target = ("pickled", data)
         for attr in ("events", "policy", "maxsize", "max_batch", "ranks"):
             v = getattr(template, attr, None)  # class attributes, as bus.subscribe reads them
             if v is not None and not callable(v):
@@ -296,16 +372,11 @@ class ProcessSubscriber:
         return reply["value"]
 
     def _spawn(self, info: dict[str, Any]) -> dict[str, Any]:
-        ctx = multiprocessing.get_context("spawn")
-        parent_conn, child_conn = ctx.Pipe(duplex=True)
-        proc = ctx.Process(
-            target=_child_main, args=(child_conn, self._target, os.getpid(), info),
-            name=f"eventbus-{self.name}", daemon=True,
-        )
-        proc.start()
-        child_conn.close()  # ours closed: the child sees EOF only when the parent is gone
-        self._proc, self._conn = proc, parent_conn
+        proc, conn = _launch(self.name)
+        self._proc, self._conn = proc, conn
         self._finalizer = weakref.finalize(self, _kill, proc)
+        conn.send_bytes(pickle.dumps((self._target, os.getpid(), info),
+                                     protocol=pickle.HIGHEST_PROTOCOL))
         try:
             reply = self._wait(self.start_timeout, "start")
         finally:
@@ -467,9 +538,20 @@ def _error(e: BaseException, events: Sequence[Event] = ()) -> str:
     return f"{type(e).__name__}: {e}{where}\n--- child traceback ---\n{tb}"
 
 
-def _child_main(conn: Any, target: tuple[str, Any], ppid: int, info: dict[str, Any]) -> None:
-    """Entry point of the child process."""
+def _child_entry() -> None:
+    """`python -c` entry point of the child: argv[1] is the socket's fd."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent closes us in order
+    sys.path[:0] = [p for p in json.loads(os.environ.pop(_PATH_ENV, "[]")) if p not in sys.path]
+    conn = Connection(int(sys.argv[1]))
+    try:
+        target, ppid, info = pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        return
+    _child_main(conn, target, ppid, info)
+
+
+def _child_main(conn: Any, target: tuple[str, Any], ppid: int, info: dict[str, Any]) -> None:
+    """The child's loop: build the subscriber, then answer the parent's messages."""
     _watch_parent(ppid)
     loop = asyncio.new_event_loop()
     bus = ChildBus(info)

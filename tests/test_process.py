@@ -281,6 +281,16 @@ def test_unpicklable_subscriber_fails_at_subscribe(new_bus: Any) -> None:
         ProcessSubscriber(on_one, kwargs={"x": 1})
 
 
+def test_subscriber_from_main_script_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    class InScript(Tally):
+        pass
+
+    InScript.__module__, InScript.__qualname__ = "__main__", "InScript"
+    monkeypatch.setattr(sys.modules["__main__"], "InScript", InScript, raising=False)
+    with pytest.raises(TypeError, match=r"defined in the script being run \(__main__\)"):
+        ProcessSubscriber(InScript("x"))
+
+
 def test_child_dies_when_parent_is_killed(tmp_path: Path) -> None:
     script = tmp_path / "parent.py"
     script.write_text(textwrap.dedent(f"""

@@ -1,0 +1,167 @@
+"""The GIL: a CPU-heavy Python subscriber in the bus thread against the same in a child process.
+
+A real small model trains on CPU (one torch thread, a step of about 2 ms) and publishes a
+`Loss` per step. A subscriber does about 5 ms of pure-Python work per event. Step time p50,
+three ways: (a) no subscriber, (b) the subscriber in the bus thread (its `async on_events` on
+the bus loop), (c) the same subscriber with `placement="process"`.
+
+    python -m benchmarks.gil [--quick]
+
+Keys: `gil.none_p50_ms`, `gil.in_thread_p50_ms`, `gil.process_p50_ms` (+ p90s, the work
+per event actually measured, and the load average: on a shared 2-core machine, (c) competes
+with whatever else runs for the second core).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any
+
+import torch
+
+from eventbus import EventBus
+from eventbus.events import Event, Loss
+
+__all__ = ["BusyAnalysis", "run"]
+
+WORK_MS = 5.0
+
+
+def _spin(n: int) -> int:
+    """Pure-Python work that holds the GIL throughout."""
+    acc = 0
+    for i in range(n):
+        acc = (acc + i * i) % 1_000_003
+    return acc
+
+
+def calibrate(target_ms: float = WORK_MS) -> int:
+    """Loop count whose `_spin` costs about `target_ms` of this thread's CPU time.
+
+    CPU time, not wall time: on a loaded machine a preempted run would look slower.
+    """
+    n = 20_000
+    while True:
+        cost = min(_cpu(n) for _ in range(3))
+        if cost > 0.002:
+            return max(1, int(n * target_ms / 1000 / cost))
+        n *= 2
+
+
+def _cpu(n: int) -> float:
+    t0 = time.thread_time()
+    _spin(n)
+    return time.thread_time() - t0
+
+
+class BusyAnalysis:
+    """About 5 ms of Python per `Loss`: stands in for a CPU-heavy analysis consumer."""
+
+    events = (Loss,)
+    policy = "drop_oldest"
+    maxsize = 64
+
+    def __init__(self, loops: int) -> None:
+        self.loops = loops
+        self.handled = 0
+
+    async def on_events(self, batch: list[Event]) -> None:
+        for _ in batch:
+            _spin(self.loops)
+            self.handled += 1
+
+
+def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(),
+        torch.nn.Linear(256, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(4096, 128)
+    y = x[:, :1].clone()
+    return model, opt, x, y
+
+
+class _Trainer:
+    """One model trained across all configurations, a block of steps at a time."""
+
+    def __init__(self) -> None:
+        self.model, self.opt, self.x, self.y = _model()
+        self.step = 0
+
+    def block(self, bus: EventBus, steps: int) -> list[float]:
+        model, opt, x, y = self.model, self.opt, self.x, self.y
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            idx = torch.randint(0, len(x), (64,))
+            loss = torch.nn.functional.mse_loss(model(x[idx]), y[idx])
+            opt.zero_grad()
+            loss.backward()  # type: ignore[no-untyped-call]
+            opt.step()
+            bus.publish(Loss(step=self.step, value=loss.detach()))  # captured, no .item()
+            times.append((time.perf_counter() - t0) * 1000)
+            self.step += 1
+        return times
+
+
+def _p(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return round(s[min(len(s) - 1, int(q / 100 * len(s)))], 3)
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    """Step p50 / p90 (ms) with no subscriber, in the bus thread, and in a child process.
+
+    The three run in alternating blocks of steps (order rotated each round, every bus
+    flushed between blocks, untimed), so drifting machine load hits them alike.
+    """
+    from eventbus.process import ProcessSubscriber
+
+    torch.set_num_threads(1)
+    rounds, block = (6, 25) if quick else (12, 50)
+    loops = calibrate()
+    labels = ("none", "in_thread", "process")
+    buses = {label: EventBus(close_timeout=30) for label in labels}
+    buses["in_thread"].subscribe(BusyAnalysis(loops))
+    proxy = ProcessSubscriber(BusyAnalysis(loops))
+    buses["process"].subscribe(proxy)
+    times: dict[str, list[float]] = {label: [] for label in labels}
+    trainer = _Trainer()
+    for b in buses.values():
+        b.start()
+    try:
+        if not proxy.wait_ready(120):
+            raise RuntimeError("the child process did not start within 120 s")
+        trainer.block(buses["none"], 30)  # warm-up, untimed
+        for r in range(rounds):
+            for label in labels[r % 3:] + labels[: r % 3]:
+                times[label] += trainer.block(buses[label], block)
+                buses[label].flush(timeout=60)  # the subscriber idle again before the next
+    finally:
+        stats = {label: b.close() for label, b in buses.items()}
+    out: dict[str, Any] = {"gil.work_per_event_ms": round(min(_cpu(loops) for _ in range(3))
+                                                          * 1000, 2)}
+    for label in labels:
+        out[f"gil.{label}_p50_ms"] = _p(times[label], 50)
+        out[f"gil.{label}_p90_ms"] = _p(times[label], 90)
+        for s in stats[label].subscribers.values():
+            out[f"gil.{label}_handled"] = s.delivered
+            out[f"gil.{label}_dropped"] = s.dropped
+    out["gil.steps_each"] = rounds * block
+    out["gil.load_average_1m"] = round(os.getloadavg()[0], 2)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args()
+    print(json.dumps(run(args.quick), indent=2))
+
+
+if __name__ == "__main__":
+    main()
