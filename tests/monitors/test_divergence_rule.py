@@ -59,7 +59,21 @@ def test_healthy_run_never_fires(run: dict[str, Any]) -> None:
     assert first_detection(run["loss"]) is None
 
 
-@pytest.mark.parametrize("run", DIVERGING, ids=_ids(DIVERGING))
+# Made after the rule was tuned (new kinds of model), only scored: batch size 1 makes the
+# loss swing 1000x step to step, so a 30x LR jump that leaves it at ~20x is not seen.
+KNOWN_FRESH_MISS = {"fresh_reg_bs1_lr_jump_977"}
+
+
+@pytest.mark.parametrize(
+    "run",
+    [
+        pytest.param(r, marks=pytest.mark.xfail(strict=True, reason="batch-size-1 noise"))
+        if r["name"] in KNOWN_FRESH_MISS
+        else r
+        for r in DIVERGING
+    ],
+    ids=_ids(DIVERGING),
+)
 def test_diverging_run_fires_after_onset_on_a_raised_value(run: dict[str, Any]) -> None:
     detection = first_detection(run["loss"])
     assert detection is not None
@@ -99,7 +113,7 @@ def test_tune_set_within_budget_of_sustained_departure(field: str) -> None:
 
 @pytest.mark.parametrize("field", DEPARTURE_FIELDS)
 def test_jumps_and_nan_within_budget_of_any_departure(field: str) -> None:
-    runs = [r for r in DIVERGING if r["kind"] in ("lr_jump", "nan_weight")]
+    runs = [r for r in DIVERGING if r["kind"] in ("lr_jump", "nan_weight") and r["set"] != "fresh"]
     # Held out, reported, not tuned on: blobs (CE ~0.12, +-70% batch noise, so 3 sigma is
     # 3.4x) after a mild LR jump sits at 2-3x, then dips: fired 6 steps after departure.
     runs = [r for r in runs if r["name"] != "holdout_blobs_cls_lr_jump_727"]
@@ -318,3 +332,12 @@ def test_rearms_after_excursion_when_not_once() -> None:
 def test_bad_parameters_raise(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="must be"):
         DivergenceRule(**kwargs)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="fresh set (never tuned on): batch-size-1 LR jump missed; CNN LR jump 877 "
+    "(11.8x, 12.7x, then 2.1-2.5x) fired 4 steps after departure; see docs/divergence.md",
+)
+def test_fresh_set_within_budget_of_sustained_departure() -> None:
+    _within_budget(_delays([r for r in DIVERGING if r["set"] == "fresh"], "departure_s15"))
