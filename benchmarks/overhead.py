@@ -95,11 +95,12 @@ def _hf_contender() -> Callable[[Any], Any]:
 
 def _lightning_contender() -> Callable[[Any], Any]:
     """Lightning's real hook dispatch on a real Trainer with 4 no-op Callbacks."""
-    logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
-    logging.getLogger("lightning").setLevel(logging.ERROR)
     import pytorch_lightning as pl
     import torch
     from pytorch_lightning.trainer.call import _call_callback_hooks
+
+    for name in ("pytorch_lightning", "lightning", "lightning_fabric"):  # after import: it
+        logging.getLogger(name).setLevel(logging.ERROR)  # sets INFO on import
 
     class NoopCallback(pl.Callback):
         pass
