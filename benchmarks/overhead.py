@@ -76,13 +76,13 @@ def _hf_contender() -> Callable[[Any], Any]:
     )
     from transformers.utils import logging as hf_logging
 
-    hf_logging.set_verbosity_error()  # it warns that DefaultFlowCallback is missing
+    hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]  # no DefaultFlowCallback
 
     class NoopCallback(TrainerCallback):
         pass
 
     callbacks = [NoopCallback() for _ in range(4)]
-    handler = CallbackHandler(callbacks, None, None, None, None)
+    handler = CallbackHandler(callbacks, None, None, None, None)  # type: ignore[no-untyped-call]
     args = TrainingArguments(output_dir=tempfile.mkdtemp(prefix="eventbus-bench-hf-"),
                              report_to=[], use_cpu=True)
     state, control = TrainerState(), TrainerControl()
@@ -117,8 +117,9 @@ def _lightning_contender() -> Callable[[Any], Any]:
             enable_checkpointing=False, enable_progress_bar=False,
             enable_model_summary=False, accelerator="cpu", devices=1,
         )
-    if len(trainer.callbacks) != 4:
-        raise RuntimeError(f"expected 4 Lightning callbacks, got {trainer.callbacks}")
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]
+    if len(callbacks) != 4:
+        raise RuntimeError(f"expected 4 Lightning callbacks, got {callbacks}")
     trainer.strategy.connect(Module())  # as in fit(): hooks see the module
     outputs, batch = {"loss": 0.5}, None
 

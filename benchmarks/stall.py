@@ -332,7 +332,7 @@ def plot(samples: dict[str, list[float]], path: str | os.PathLike[str], title: s
     bins = np.geomspace(max(lo * 0.9, 1e-3), hi * 1.1, 120)
     fig, ax = plt.subplots(figsize=(7, 3.4), dpi=90)
     for k, v in ms.items():
-        ax.hist(v, bins=bins, histtype="step", linewidth=1.4, color=colors.get(k),
+        ax.hist(v, bins=list(bins), histtype="step", linewidth=1.4, color=colors.get(k),
                 label=f"{labels.get(k, k)}: p50 {np.median(v):.2f} ms")
     ax.set_xscale("log")
     ticks = [t for t in (0.5, 1, 2, 3, 5, 10, 20, 30, 50, 100, 200, 500, 1000)

@@ -70,7 +70,7 @@ def run(quick: bool = False, *, blocks: int | None = None, steps: int | None = N
             opt.zero_grad(set_to_none=True)
             for _ in range(k):  # gradient accumulation over k micro-batches
                 loss = loss_fn(model(x), y)
-                loss.backward()
+                loss.backward()  # type: ignore[no-untyped-call]
             opt.step()
             if bus is not None:
                 bus.publish(StepEnded(step=i, samples=64 * k))

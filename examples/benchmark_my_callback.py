@@ -61,7 +61,7 @@ def make_train_step() -> Any:
     def train_step() -> torch.Tensor:
         loss = torch.nn.functional.cross_entropy(model(x), y)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         opt.step()
         return loss.detach()
 
