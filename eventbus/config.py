@@ -67,6 +67,8 @@ SUBSCRIBERS_ENV = "EVENTBUS_SUBSCRIBERS"
 SHORT_NAMES: dict[str, str] = {
     "jsonl": "eventbus.sinks:JsonlWriter",
     "tensorboard": "eventbus.sinks:TensorBoardSink",
+    "tb": "eventbus.sinks:TensorBoardSink",
+    "progress": "eventbus.sinks:ConsoleProgress",
     "console": "eventbus.sinks:ConsoleProgress",
     "divergence": "eventbus.monitors:DivergenceDetector",
     "memory": "eventbus.monitors:MemoryProfiler",
@@ -155,13 +157,28 @@ class SubscriberConfig:
         if "ranks" in self.kwargs:
             r = self.kwargs["ranks"]
             return None if r is None else tuple(r)
-        cls_ranks = getattr(self.factory_object(), "ranks", None)
+        cls_ranks = getattr(load_object(self.factory, where=self.where), "ranks", None)
         return tuple(cls_ranks) if isinstance(cls_ranks, (tuple, list)) else None
+
+    def ready_made(self) -> Any:
+        """The named object itself when it already is a subscriber (an object with
+        `on_events`, or a function of one event) and no arguments were given; else None."""
+        if self.args or self.kwargs:
+            return None
+        obj = load_object(self.factory, where=self.where)
+        if isinstance(obj, type):
+            return None
+        if hasattr(obj, "on_events"):
+            return obj
+        return obj if _one_required_argument(obj) else None
 
     def check(self) -> None:
         """Import the factory, resolve event names, bind the arguments: raise what is wrong."""
-        fn = self.factory_object()
+        made = self.ready_made()
         self.event_types()
+        if made is not None:
+            return
+        fn = self.factory_object()
         try:
             sig = inspect.signature(fn)
         except (TypeError, ValueError):  # a builtin without a signature: let the call decide
@@ -170,7 +187,8 @@ class SubscriberConfig:
             sig.bind(*self.args, **self.kwargs)
         except TypeError as e:
             raise ConfigError(
-                f"{self.where}: arguments do not fit {_qualname(fn)}{sig}: {e}; fix args/kwargs"
+                f"{self.where}: arguments do not fit {_qualname(fn)}{sig}: {e}; fix args/kwargs "
+                "(in a SPEC: name:ARG or name:key=value,...)"
             ) from None
 
     def subscribe_options(self) -> dict[str, Any]:
@@ -185,13 +203,18 @@ class SubscriberConfig:
     def build(self) -> Any:
         """The subscriber object; with `placement="process"` a `ProcessSubscriber` whose
         child builds it from the import path (so nothing needs to be picklable)."""
-        fn = self.factory_object()
+        made = self.ready_made()
         if self.placement == "process":
             from eventbus.process import ProcessSubscriber
 
+            if made is not None:  # module-level: pickled by reference
+                return ProcessSubscriber(made, events=self.event_types())
             return ProcessSubscriber(SHORT_NAMES.get(self.factory, self.factory),
                                      args=self.args, kwargs=self.kwargs,
                                      events=self.event_types())
+        if made is not None:
+            return made
+        fn = self.factory_object()
         try:
             return fn(*self.args, **self.kwargs)
         except Exception as e:
@@ -212,6 +235,17 @@ class Configured:
     def subscribe(self, bus: EventBus) -> Subscription:
         """`bus.subscribe(subscriber, **options)`."""
         return bus.subscribe(self.subscriber, **self.options)
+
+
+def _one_required_argument(fn: Any) -> bool:
+    """A plain function of one event (`def on_loss(ev)`), not a factory."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    required = [p for p in params if p.default is p.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(required) == 1
 
 
 def _qualname(fn: Any) -> str:

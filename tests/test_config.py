@@ -47,6 +47,13 @@ def make_collector(**kw: Any) -> Collector:
     return Collector(**kw)
 
 
+def on_loss(ev: Event) -> None:
+    """A plain function subscriber, named by path."""
+
+
+READY = Collector(tag="ready")
+
+
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(CONFIG_ENV, raising=False)
@@ -78,6 +85,11 @@ def test_spec_builds_builtins_and_paths(tmp_path: Path) -> None:
     c = subscriber_from_spec("tests.test_config:make_collector:tag=x")
     assert isinstance(c, Collector)
     assert c.tag == "x"
+    assert subscriber_from_spec("tests.test_config:on_loss") is on_loss  # a function of one event
+    assert subscriber_from_spec("tests.test_config:READY") is READY  # an object: used as is
+    assert [b.subscriber for b in subscribers_from_config(["tests.test_config:READY"], rank=0)] \
+        == [READY]
+    assert isinstance(subscriber_from_spec("tb:" + str(tmp_path / "tb")).ranks, tuple)
 
 
 @pytest.mark.parametrize(
