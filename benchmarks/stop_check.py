@@ -6,9 +6,10 @@ Run under torchrun (gloo on CPU):
 
 Rank 0 prints one JSON object: per-call cost of `should_stop` for a blocking check at every
 call with nothing between calls (the collective's own latency), then with a 1 ms step
-between calls: blocking, overlapped (started at one call, read at the next), every 10th
-call, and a single-process bus (no agreement) for reference. The "step" sleeps rather than
-spins: on a 2-core machine two spinning ranks plus their bus threads measure the scheduler.
+between calls: blocking, overlapped (the default: started at one check, read at the next),
+every 10th call (blocking and overlapped), and a single-process bus (no agreement). The
+"step" sleeps rather than spins: on a 2-core machine two spinning ranks plus their bus
+threads would measure the scheduler.
 `run(quick)` launches torchrun itself and returns the flat `stop_check.*` keys.
 """
 
@@ -62,10 +63,11 @@ def _worker(quick: bool) -> None:
     work_s = 0.001
     out: dict[str, float] = {}
     cases: list[tuple[str, float, dict[str, Any]]] = [
-        ("back_to_back", 0.0, {"every": 1}),
-        ("every_call", work_s, {"every": 1}),
+        ("back_to_back", 0.0, {"every": 1, "overlap": False}),
+        ("every_call", work_s, {"every": 1, "overlap": False}),
         ("overlap", work_s, {"every": 1, "overlap": True}),
-        ("every_10", work_s, {"every": 10}),
+        ("every_10", work_s, {"every": 10, "overlap": False}),
+        ("every_10_overlap", work_s, {"every": 10, "overlap": True}),
     ]
     for label, step_s, options in cases:
         bus = EventBus(close_timeout=5)

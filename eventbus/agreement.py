@@ -12,9 +12,9 @@ in every check whether it asked or not, so nothing waits for a rank that has not
 Checks run on every `every`-th call (the calls between return the last agreed value), only on
 the thread that made the first call, only in the process that created the bus. Once a stop is
 agreed the answer is frozen and no further collective runs (code after the loop may check on
-some ranks only). `overlap=True` starts the all_reduce at check k and reads it at check k+1:
-the wait is hidden behind a step, and a stop is seen one check later (still on all ranks at
-the same check).
+some ranks only). By default (`overlap=True`) the all_reduce started at check k is read at
+check k+1: its wait hides behind a step, and a stop is seen one check later, still by all
+ranks at the same check. `overlap=False` waits at the check itself.
 """
 
 from __future__ import annotations
@@ -43,12 +43,13 @@ class StopAgreement:
     """What `Control.agree` calls: (local stop, local abort) -> (stop, abort) agreed by all ranks.
 
     `every`: run the collective on every N-th call only. `group`: the process group (default:
-    the job's). `overlap`: start at one check, read at the next (hides the wait). All ranks must
-    call `should_stop` / `should_abort` the same number of times (a normal loop does).
+    the job's). `overlap` (default): start at one check, read it at the next, so the wait hides
+    behind a step and a stop lands one check later; False: wait at the check itself. All ranks
+    must call `should_stop` / `should_abort` the same number of times (a normal loop does).
     """
 
     def __init__(
-        self, control: Control, *, every: int = 1, group: Any = None, overlap: bool = False
+        self, control: Control, *, every: int = 1, group: Any = None, overlap: bool = True
     ) -> None:
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"stop_check_every must be an int >= 1, got {every!r}")
@@ -69,6 +70,11 @@ class StopAgreement:
         self._host: Any = None  # pinned host copy of the result (CUDA only)
         self._done: Any = None  # CUDA event recorded after the result's copy to the host
         self._work: Any = None  # the all_reduce in flight (overlap)
+
+    @property
+    def in_flight(self) -> bool:
+        """True while an overlapped all_reduce waits to be read at the next check."""
+        return self._work is not None
 
     @property
     def agreed(self) -> tuple[bool, bool]:
@@ -118,14 +124,12 @@ class StopAgreement:
         local = [int(stop or abort), int(abort), rank + 1 if (stop or abort) else 0]
         if self._dev is None:
             self._setup(dist, torch)
-        result: tuple[int, int, int] | None = None
-        if self.overlap and self._work is not None:
-            result = self._finish()
-        elif self.overlap:
-            result = None  # the first check only starts one
-        self._start(dist, torch, local)
         if not self.overlap:
-            result = self._finish()
+            self._start(dist, torch, local)
+            return self._finish()
+        result = self._finish() if self._work is not None else None  # none yet at check 1
+        if result is None or not result[0]:
+            self._start(dist, torch, local)  # every rank read the same result: all start
         return result
 
     def _setup(self, dist: Any, torch: Any) -> None:

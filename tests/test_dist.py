@@ -81,9 +81,8 @@ def test_not_initialised_falls_back_to_local_flags(caplog: pytest.LogCaptureFixt
 
 @pytest.mark.usefixtures("world_of_one")
 def test_cadence_freeze_and_other_threads() -> None:
-    bus = EventBus(world_size=2, stop_check_every=3)
-    agree = bus.control.agree
-    assert isinstance(agree, StopAgreement)
+    bus = EventBus(world_size=2)
+    agree = bus.control.agree = StopAgreement(bus.control, every=3, overlap=False)
     for _ in range(6):
         assert not bus.should_stop
     assert agree.checks == 2  # calls 1 and 4 ran the collective
@@ -95,9 +94,8 @@ def test_cadence_freeze_and_other_threads() -> None:
 
 @pytest.mark.usefixtures("world_of_one")
 def test_agreed_value_between_checks_and_threads() -> None:
-    bus = EventBus(world_size=2, stop_check_every=2)
-    agree = bus.control.agree
-    assert isinstance(agree, StopAgreement)
+    bus = EventBus(world_size=2)
+    agree = bus.control.agree = StopAgreement(bus.control, every=2, overlap=False)
     assert not bus.should_stop  # call 1: a check
     bus.control.request_stop("asked")
     assert not bus.should_stop  # call 2: the last agreed value, not the local flag
@@ -119,15 +117,19 @@ def test_agreed_value_between_checks_and_threads() -> None:
 
 @pytest.mark.usefixtures("world_of_one")
 def test_overlap_sees_a_stop_one_check_later() -> None:
-    bus = EventBus(world_size=2)
-    agree = StopAgreement(bus.control, overlap=True)
-    bus.control.agree = agree
-    assert not bus.should_stop  # starts check 1
+    bus = EventBus(world_size=2, stop_check_every=2)
+    agree = bus.control.agree
+    assert isinstance(agree, StopAgreement)
+    assert agree.overlap  # the default
+    assert not bus.should_stop  # call 1 starts check 1
+    assert not bus.should_stop  # call 2: between checks
     bus.control.request_abort("now")
-    assert not bus.should_stop  # reads check 1 (no stop then), starts check 2
-    assert bus.should_stop  # reads check 2
+    assert not bus.should_stop  # call 3 reads check 1 (no stop then), starts check 2
+    assert not bus.should_stop
+    assert bus.should_stop  # call 5 reads check 2
     assert bus.should_abort
     assert agree.checks == 2
+    assert not agree.in_flight  # nothing left in flight once a stop is agreed
 
 
 # -- torchrun: two ranks, gloo, CPU ------------------------------------------------------------
