@@ -546,13 +546,20 @@ class EventBus:
         for r in self._runners:
             r.worker.stop()
         st = self.stats()
-        if st.hung or st.dropped or st.failed or st.rejected:
-            get_logger().warning(
-                "eventbus closed with losses",
+        counts = {n: {"dropped": s.dropped, "failed": s.failed, "state": s.state}
+                  for n, s in st.subscribers.items()
+                  if s.dropped or s.failed or s.state == "hung"}
+        # A `latest` subscriber drops superseded events by design: reported, not alarming.
+        alarming = st.hung or st.rejected or any(
+            s.failed or s.state == "hung" or (s.dropped and s.policy != "latest")
+            for s in st.subscribers.values()
+        )
+        if alarming or counts:
+            log = get_logger().warning if alarming else get_logger().info
+            log(
+                "eventbus closed with losses" if alarming else "eventbus closed",
                 dropped=st.dropped, failed=st.failed, rejected=st.rejected, hung=list(st.hung),
-                subscribers={n: {"dropped": s.dropped, "failed": s.failed, "state": s.state}
-                             for n, s in st.subscribers.items() if s.dropped or s.failed
-                             or s.state == "hung"},
+                subscribers=counts,
             )
 
     def _at_exit(self) -> None:

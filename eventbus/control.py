@@ -29,15 +29,22 @@ class Control:
         # ranks agreed. None in a single process.
         self.agree: Callable[[bool, bool], tuple[bool, bool]] | None = None
 
-    def request_stop(self, reason: str, *, source: str | None = None) -> None:
-        """Ask the loop to stop at its next `bus.should_stop` check (idempotent)."""
-        self._request(reason, source, abort=False)
+    def request_stop(
+        self, reason: str, *, source: str | None = None, step: int | None = None
+    ) -> None:
+        """Ask the loop to stop at its next `bus.should_stop` check (idempotent).
 
-    def request_abort(self, reason: str, *, source: str | None = None) -> None:
+        `step`: the step that prompted it (recorded on the `StopRequested` event).
+        """
+        self._request(reason, source, step, abort=False)
+
+    def request_abort(
+        self, reason: str, *, source: str | None = None, step: int | None = None
+    ) -> None:
         """Ask the loop to stop now, without a final checkpoint; implies a stop."""
-        self._request(reason, source, abort=True)
+        self._request(reason, source, step, abort=True)
 
-    def _request(self, reason: str, source: str | None, *, abort: bool) -> None:
+    def _request(self, reason: str, source: str | None, step: int | None, *, abort: bool) -> None:
         with self._lock:
             first = not (self.abort_requested if abort else self.stop_requested)
             if abort:
@@ -46,7 +53,7 @@ class Control:
                 self.reason, self.source = reason, source
             self.stop_requested = True
         if first:
-            self._publish(StopRequested(reason=reason, abort=abort, source=source))
+            self._publish(StopRequested(step=step, reason=reason, abort=abort, source=source))
 
     @property
     def should_stop(self) -> bool:

@@ -104,9 +104,9 @@ class DivergenceDetector:
         bus.publish(ev)
         reason = f"{self.metric} diverged at step {d.step}: {d.reason}"
         if self.action == "stop":
-            bus.control.request_stop(reason, source=self.name)
+            bus.control.request_stop(reason, source=self.name, step=d.step)
         elif self.action == "abort":
-            bus.control.request_abort(reason, source=self.name)
+            bus.control.request_abort(reason, source=self.name, step=d.step)
 
     def state_dict(self) -> dict[str, Any]:
         """The rule's windows and baseline, so a resumed run keeps its reference."""
