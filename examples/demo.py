@@ -102,7 +102,7 @@ def train(out: Path, data: torch.Tensor, vocab: int, steps: int, *, lr: float,
     bus.subscribe(MemoryProfiler(every=25))                     # RSS (+ CUDA when present)
     bus.subscribe(SpeedMonitor(every=25, flops_per_token=6 * n_params, peak_flops=2e11))
     bus.subscribe(ConsoleProgress(total=steps, desc=title))     # progress bar, latest loss
-    watcher = watch(model, bus, every=max(steps // 10, 1), histogram=True)  # TensorStats
+    watcher = watch(model, bus, every=50, histogram=True)      # TensorStats every 50 steps
     status = "completed"
     with bus:
         bus.publish(RunStarted(config={"lr": lr, "params": n_params, "context": CONTEXT,
