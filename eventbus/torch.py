@@ -159,7 +159,10 @@ class Watcher:
 
     Step numbers, in order of precedence: the last `watcher.step(n)`; else the innermost open
     `bus.step(n)` scope; else a count of the model's forward calls (1, 2, ...). Statistics are
-    published at steps where `step % every == 0`.
+    published at steps where `step % every == 0`. Between watched steps only two hooks stay
+    on the root module: the per-module and per-parameter hooks are installed when a watched
+    step's forward starts and taken off when its forward (activations) and backward (grads)
+    end, so an unwatched step costs two Python calls.
     """
 
     def __init__(
@@ -187,22 +190,17 @@ class Watcher:
         self._pending: list[_Entry] = []  # this forward's weights and activations
         self._grads: list[_Entry] = []  # this backward's gradients
         self._grad_flush_queued = False
-        self._handles: list[Any] = []
+        selected = [(n, m) for n, m in model.named_modules() if modules is None or modules(n, m)]
+        self._root_selected = any(m is model for _, m in selected)
+        self._modules = [(n, m) for n, m in selected if m is not model]
+        chosen = {id(m) for _, m in selected}
         self._params = [(n, p) for n, p in model.named_parameters()
-                        if modules is None or modules(n.rpartition(".")[0],
-                                                      model.get_submodule(n.rpartition(".")[0]))]
-        self._handles.append(model.register_forward_pre_hook(self._on_forward_start))
-        if "activations" in self.what:
-            for name, mod in model.named_modules():
-                if modules is None or modules(name, mod):
-                    self._handles.append(mod.register_forward_hook(partial(self._on_output, name)))
-        self._handles.append(model.register_forward_hook(self._on_forward_end))
-        if "grads" in self.what:
-            for name, p in self._params:
-                if p.requires_grad:
-                    self._handles.append(
-                        p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
-                            partial(self._on_grad, name)))
+                        if modules is None or id(model.get_submodule(n.rpartition(".")[0]))
+                        in chosen]
+        self._handles: list[Any] = [model.register_forward_pre_hook(self._on_forward_start),
+                                    model.register_forward_hook(self._on_forward_end)]
+        self._output_hooks: list[Any] = []  # installed for a watched forward only
+        self._grad_hooks: list[Any] = []  # installed for a watched backward only
 
     @property
     def current(self) -> int | None:
@@ -217,9 +215,8 @@ class Watcher:
 
     def remove(self) -> None:
         """Remove every hook this watcher installed (idempotent)."""
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        for hooks in (self._handles, self._output_hooks, self._grad_hooks):
+            _drop(hooks)
         self._pending.clear()
         self._grads.clear()
         self._active = False
@@ -234,6 +231,7 @@ class Watcher:
 
     def _on_forward_start(self, module: torch.nn.Module, args: Any) -> None:
         self._pending.clear()  # what a forward that raised left behind
+        _drop(self._output_hooks)
         step = self._manual
         if step is None:
             step = current_step(self.bus)
@@ -242,9 +240,20 @@ class Watcher:
             step = self._count
         self._step = step
         self._active = self.enabled and step % self.every == 0
-        if self._active and "weights" in self.what and self._weights_step != step:
+        if not self._active:
+            _drop(self._grad_hooks)  # a watched forward with no backward left them on
+            return
+        if "weights" in self.what and self._weights_step != step:
             self._weights_step = step  # once per step, also with gradient accumulation
             self._pending.extend(_entry(p, n, "weights", self.bins) for n, p in self._params)
+        if "activations" in self.what:
+            self._output_hooks.extend(m.register_forward_hook(partial(self._on_output, n))
+                                      for n, m in self._modules)
+        if "grads" in self.what and not self._grad_hooks:
+            self._grad_hooks.extend(
+                p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                    partial(self._on_grad, n))
+                for n, p in self._params if p.requires_grad)
 
     def _on_output(self, name: str, module: torch.nn.Module, args: Any, out: Any) -> None:
         if not self._active:
@@ -254,6 +263,9 @@ class Watcher:
                 self._pending.append(_entry(t, label, "activations", self.bins))
 
     def _on_forward_end(self, module: torch.nn.Module, args: Any, out: Any) -> None:
+        _drop(self._output_hooks)
+        if self._active and self._root_selected and "activations" in self.what:
+            self._on_output("", module, args, out)
         if self._pending:
             entries, self._pending = self._pending, []
             for ev in _publishable(entries, self._step):
@@ -269,10 +281,17 @@ class Watcher:
 
     def _flush_grads(self) -> None:
         self._grad_flush_queued = False
+        _drop(self._grad_hooks)  # the backward is over: nothing to watch until the next step
         entries, self._grads = self._grads, []
         if entries:
             for ev in _publishable(entries, self._step):
                 self.bus.publish(ev)
+
+
+def _drop(handles: list[Any]) -> None:
+    """Remove hooks by their handles and forget them."""
+    while handles:
+        handles.pop().remove()
 
 
 def watch(

@@ -223,11 +223,13 @@ def test_remove_takes_every_hook_off(bus: EventBus, recorder: Recorder) -> None:
     assert not any(_all_hooks(model))
     w = et.watch(model, bus, every=1, histogram=True)
     ins = et.instrument(model, opt, bus)
-    assert sum(_all_hooks(model)) > len(list(model.parameters()))
-    assert all(p._post_accumulate_grad_hooks for p in model.parameters())
     bus.subscribe(recorder)
     with bus:
         _train_step(model, opt, 0)
+        model(_batch(1))  # a watched forward without backward: its grad hooks stay on
+        assert all(p._post_accumulate_grad_hooks for p in model.parameters())
+        assert opt._optimizer_step_pre_hooks
+        assert opt._optimizer_step_post_hooks
         w.remove()
         ins.remove()
         w.remove()  # idempotent
@@ -238,6 +240,17 @@ def test_remove_takes_every_hook_off(bus: EventBus, recorder: Recorder) -> None:
         n = len(recorder.got)
         _train_step(model, opt, 1)
     assert len(recorder.got) == n  # nothing more was published
+
+
+def test_between_watched_steps_only_the_root_hooks_stay(bus: EventBus) -> None:
+    model = _gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with bus, et.watch(model, bus, every=2) as w:
+        for step in range(1, 4):
+            _train_step(model, opt, step)
+            hooks = _all_hooks(model)
+            assert sum(hooks) == 2, (step, hooks)  # root pre + post; 24 modules, 30 params
+        assert w.current == 3
 
 
 def test_watch_step_numbers_follow_watcher_then_bus_then_count(
