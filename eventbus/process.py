@@ -14,9 +14,11 @@ worker thread (the loop never blocks on a slow child). The child is a fresh inte
 and exits by itself within ~0.2 s when the parent process is gone (it watches `os.getppid()`
 and the socket).
 
-The subscriber must be picklable from an importable module (not the script run as
-`__main__`), or be given as an import path `"package.module:factory"` with `args` /
-`kwargs`, built in the child. Linux and macOS (the child gets its socket by fd).
+The subscriber must be picklable, or be given as an import path `"package.module:factory"`
+with `args` / `kwargs`, built in the child. A subscriber class defined in the script being
+run makes the child import that script (as multiprocessing's spawn does, only then): its
+training code must sit under `if __name__ == "__main__":`; an unguarded script fails to start
+the child with an error saying so. Linux and macOS (the child gets its socket by fd).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import operator
 import os
 import pickle
 import pickletools
+import runpy
 import signal
 import socket
 import subprocess
@@ -38,6 +41,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 import weakref
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
@@ -200,6 +204,46 @@ def _kill(proc: Any) -> None:
         pass
 
 
+_IMPORTING_MAIN = False  # True in a child while it imports the parent's script
+
+
+def _main_to_import(sub: Any, data: bytes) -> tuple[str, str] | None:
+    """How the child can import the `__main__` the pickle refers to: ("name", module) for
+    `python -m module`, ("path", file) for a script; None when it refers to none."""
+    if not _refers_to_main(data):
+        return None
+    main = sys.modules["__main__"]
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name and spec.name != "__main__":
+        return ("name", spec.name)
+    path = getattr(main, "__file__", None)
+    if path:
+        return ("path", os.path.abspath(path))
+    raise TypeError(
+        f"placement='process': {describe(sub)!r} is defined interactively (a notebook or "
+        "REPL), so a child process cannot import it; define it in a module, or pass an "
+        "import path: ProcessSubscriber('package.module:factory', kwargs={...})"
+    )
+
+
+def _import_main(kind: str, where: str) -> None:
+    """Import the parent's script as `__mp_main__` (its `if __name__ == "__main__":` block
+    does not run) and make it `__main__`, so its classes unpickle: multiprocessing's rule."""
+    global _IMPORTING_MAIN
+    _IMPORTING_MAIN = True
+    try:
+        if kind == "name":
+            module = importlib.import_module(where)
+        else:
+            module = types.ModuleType("__mp_main__")
+            module.__file__ = where
+            sys.modules["__mp_main__"] = module
+            module.__dict__.update(runpy.run_path(where, run_name="__mp_main__"))
+    finally:
+        _IMPORTING_MAIN = False
+    sys.modules["__main__"] = sys.modules["__mp_main__"] = module
+
+
 def _refers_to_main(data: bytes) -> bool:
     """Whether a pickle names a class or function of `__main__` (the script being run)."""
     strings = set()
@@ -237,6 +281,7 @@ class ProcessSubscriber:
         name: str | None = None,
     ) -> None:
         kwargs = dict(kwargs or {})
+        main: tuple[str, str] | None = None
         if isinstance(sub, str):
             from eventbus.config import SHORT_NAMES, load_object
 
@@ -256,13 +301,14 @@ class ProcessSubscriber:
                     f"not ({type(e).__name__}: {e}). Define it at module level, or pass an "
                     "import path: ProcessSubscriber('package.module:factory', kwargs={...})"
                 ) from e
-            if _refers_to_main(data):
-                raise TypeError(
-                    f"placement='process': {describe(sub)!r} is defined in the script being "
-                    "run (__main__), which the child does not import (it would run your "
-                    "training again). Move it to a module, or pass an import path: "
-                    "ProcessSubscriber('package.module:factory', kwargs={...})"
+            if _IMPORTING_MAIN:
+                raise RuntimeError(
+                    "a process-placed subscriber was created while its child imported your "
+                    "script: guard the script's training code with `if __name__ == "
+                    "\"__main__\":` (as for multiprocessing), or define the subscriber in a "
+                    "module of its own"
                 )
+            main = _main_to_import(sub, data)
             self._target = ("pickled", data)
         for attr in ("events", "policy", "maxsize", "max_batch", "ranks"):
             v = getattr(template, attr, None)  # class attributes, as bus.subscribe reads them
@@ -284,6 +330,7 @@ class ProcessSubscriber:
         self._dead: str | None = None
         self._finalizer: Any = None
         self._ready = threading.Event()
+        self._main = main  # the parent's script, when the child must import it
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait until the child built the subscriber and ran its `on_start` (or failed to)."""
@@ -310,6 +357,7 @@ class ProcessSubscriber:
         info = {
             "rank": getattr(bus, "rank", 0), "world_size": getattr(bus, "world_size", 1),
             "local_rank": getattr(bus, "local_rank", 0), "name": self.name,
+            "main": self._main,
         }
         reply = await self._call(self._spawn, info)
         self._apply(reply)
@@ -569,6 +617,8 @@ def _child_main(conn: Any, target: tuple[str, Any], ppid: int, info: dict[str, A
     try:
         kind, payload = target
         if kind == "pickled":
+            if info.get("main"):
+                _import_main(*info["main"])
             sub = pickle.loads(payload)
         else:
             from eventbus.config import load_object

@@ -281,14 +281,53 @@ def test_unpicklable_subscriber_fails_at_subscribe(new_bus: Any) -> None:
         ProcessSubscriber(on_one, kwargs={"x": 1})
 
 
-def test_subscriber_from_main_script_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    class InScript(Tally):
-        pass
+SCRIPT = """
+import sys
+sys.path.insert(0, {root!r})
+from eventbus import Event, EventBus
+from eventbus.events import Loss, Scalars
 
-    InScript.__module__, InScript.__qualname__ = "__main__", "InScript"
-    monkeypatch.setattr(sys.modules["__main__"], "InScript", InScript, raising=False)
-    with pytest.raises(TypeError, match=r"defined in the script being run \(__main__\)"):
-        ProcessSubscriber(InScript("x"))
+class InScript:
+    policy = "block"
+    def __init__(self):
+        self.bus = None
+    def on_start(self, bus):
+        self.bus = bus
+    async def on_events(self, batch):
+        for ev in batch:
+            self.bus.publish(Scalars(step=ev.step, values={{"echo": 1.0}}))
+
+def main():
+    bus = EventBus()
+    seen = []
+    bus.subscribe(lambda ev: seen.append(ev.step), events=[Scalars], policy="block")
+    h = bus.subscribe(InScript(), events=[Loss], placement="process")
+    with bus:
+        for i in range(5):
+            bus.publish(Loss(step=i, value=1.0))
+        bus.flush(30)
+    st = h.stats()
+    print("delivered", st.delivered, "echoed", len(seen), st.state)
+    print("error", st.error)
+
+{call}
+"""
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+def test_subscriber_defined_in_the_script(tmp_path: Path, guarded: bool) -> None:
+    call = 'if __name__ == "__main__":\n    main()' if guarded else "main()"
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.format(root=str(Path(__file__).parents[1]), call=call))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=90, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if guarded:  # imported as __mp_main__ in the child: its class unpickles, main() does not run
+        assert "delivered 5 echoed 5 closed" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    else:  # the child would run the training again: it refuses, and says what to do
+        assert "delivered 0" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+        assert 'guard the script\'s training code with `if __name__ == "__main__":`' \
+            in proc.stdout
 
 
 def test_child_dies_when_parent_is_killed(tmp_path: Path) -> None:
