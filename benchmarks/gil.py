@@ -110,6 +110,41 @@ class _Trainer:
         return times
 
 
+def serialisation() -> dict[str, float]:
+    """Per-event cost of what crosses the pipe (`process.pack` / `unpack`) against JSON lines
+    (`codec.encode` / `decode`), best of 20 over 1,536 mixed events."""
+    from eventbus import codec
+    from eventbus.events import Scalars, StepEnded
+    from eventbus.process import pack, unpack
+
+    evs: list[Event] = []
+    for i in range(512):
+        evs += [Loss(step=i, value=1.0 / (i + 1), ts=time.time_ns(), seq=3 * i, rank=0),
+                StepEnded(step=i, duration_s=0.002, samples=32, ts=1, seq=3 * i + 1, rank=0),
+                Scalars(step=i, values={"a": 1.0, "b": 2.0}, ts=1, seq=3 * i + 2, rank=0)]
+
+    def best_us(fn: Any) -> float:
+        best = min(_wall(fn) for _ in range(20))
+        return round(best / len(evs) * 1e6, 2)
+
+    blob = pack(evs)
+    lines = b"".join(codec.encode(e) for e in evs)
+    return {
+        "gil.pack_us_per_event": best_us(lambda: pack(evs)),
+        "gil.unpack_us_per_event": best_us(lambda: unpack(blob)),
+        "gil.codec_encode_us_per_event": best_us(
+            lambda: b"".join(codec.encode(e) for e in evs)),
+        "gil.codec_decode_us_per_event": best_us(
+            lambda: [codec.decode(x) for x in lines.splitlines()]),
+    }
+
+
+def _wall(fn: Any) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def _p(values: list[float], q: float) -> float:
     s = sorted(values)
     return round(s[min(len(s) - 1, int(q / 100 * len(s)))], 3)
@@ -136,8 +171,10 @@ def run(quick: bool = False) -> dict[str, Any]:
     for b in buses.values():
         b.start()
     try:
+        t0 = time.perf_counter()
         if not proxy.wait_ready(120):
             raise RuntimeError("the child process did not start within 120 s")
+        start_s = time.perf_counter() - t0
         trainer.block(buses["none"], 30)  # warm-up, untimed
         for r in range(rounds):
             for label in labels[r % 3:] + labels[: r % 3]:
@@ -154,6 +191,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         for s in stats[label].subscribers.values():
             out[f"gil.{label}_handled"] = s.delivered
             out[f"gil.{label}_dropped"] = s.dropped
+    out["gil.process_start_s"] = round(start_s, 2)  # after bus.start(): spawn + imports
+    out.update(serialisation())
     out["gil.steps_each"] = rounds * block
     out["gil.load_average_1m"] = round(os.getloadavg()[0], 2)
     return out
