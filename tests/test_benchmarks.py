@@ -90,7 +90,7 @@ def test_overhead_tiny_run_has_every_contender() -> None:
 def test_stall_tiny_run_loses_nothing_lossless(tmp_path: Path) -> None:
     out, samples = stall.measure(blocks=1, steps=stall.WARMUP_STEPS + 3)
     for v in stall.VARIANTS:
-        assert len(samples[v]) == 3
+        assert len(samples[v]) == 3, v
         _positive_numbers(out, [f"stall.{v}_p50_ms", f"stall.{v}_p99_ms"])
     # The inline variant sleeps 50 ms in every step; the bus variant must not.
     assert out["stall.inline_p50_ms"] >= 50
