@@ -266,6 +266,8 @@ class ProcessSubscriber:
     `args` / `kwargs`. Its class attributes (`events`, `policy`, `maxsize`, `ranks`, `name`)
     are read here as for an in-thread subscriber. `batch_timeout`: seconds a batch may take
     before the child counts as hung and is killed (None: only the bus's close deadline).
+    `nice`: added to the child's scheduling niceness, so on a busy machine the analysis
+    yields the CPU to training (0 keeps the parent's priority).
     """
 
     def __init__(
@@ -276,6 +278,7 @@ class ProcessSubscriber:
         kwargs: dict[str, Any] | None = None,
         events: Sequence[type[Event]] | None = None,
         start_timeout: float = 120.0,
+        nice: int = 10,
         batch_timeout: float | None = None,
         close_timeout: float = 10.0,
         name: str | None = None,
@@ -322,6 +325,7 @@ class ProcessSubscriber:
         self.start_timeout = start_timeout
         self.batch_timeout = batch_timeout
         self.close_timeout = close_timeout
+        self.nice = nice
         self._bus: Any = None
         self._proc: Any = None
         self._conn: Any = None
@@ -357,7 +361,7 @@ class ProcessSubscriber:
         info = {
             "rank": getattr(bus, "rank", 0), "world_size": getattr(bus, "world_size", 1),
             "local_rank": getattr(bus, "local_rank", 0), "name": self.name,
-            "main": self._main,
+            "main": self._main, "nice": self.nice,
         }
         reply = await self._call(self._spawn, info)
         self._apply(reply)
@@ -601,6 +605,9 @@ def _child_entry() -> None:
 def _child_main(conn: Any, target: tuple[str, Any], ppid: int, info: dict[str, Any]) -> None:
     """The child's loop: build the subscriber, then answer the parent's messages."""
     _watch_parent(ppid)
+    if info.get("nice") and hasattr(os, "nice"):
+        with contextlib.suppress(OSError):
+            os.nice(info["nice"])  # background analysis: training keeps the CPU it needs
     loop = asyncio.new_event_loop()
     bus = ChildBus(info)
 
