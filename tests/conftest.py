@@ -6,8 +6,18 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import structlog
 
 from eventbus import Event, EventBus
+
+
+@pytest.fixture(autouse=True)
+def _structlog_unconfigured() -> Iterator[None]:
+    """Each test starts with structlog unconfigured (capture_logs leaves it "configured"),
+    so eventbus logs through stdlib logging, where caplog sees them."""
+    structlog.reset_defaults()
+    yield
+    structlog.reset_defaults()
 
 
 class Recorder:
