@@ -16,19 +16,19 @@ import argparse
 import contextlib
 import importlib
 import importlib.util
-import inspect
 import logging
 import os
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 import orjson
 
 from eventbus.codec import EventDecodeError, decode
+from eventbus.config import ConfigError, parse_spec
 from eventbus.events import (
     CheckpointLoaded,
     CheckpointSaved,
@@ -49,15 +49,6 @@ from eventbus.replay import LogReadError, Replayer, log_files, log_ranks, read_l
 
 __all__ = ["main"]
 
-# Built-in subscriber specs: name -> (module, class, takes a directory).
-BUILTINS: dict[str, tuple[str, str, bool]] = {
-    "jsonl": ("eventbus.sinks.jsonl", "JsonlWriter", True),
-    "tensorboard": ("eventbus.sinks.tensorboard", "TensorBoardSink", True),
-    "tb": ("eventbus.sinks.tensorboard", "TensorBoardSink", True),
-    "divergence": ("eventbus.monitors.divergence", "DivergenceDetector", False),
-    "memory": ("eventbus.monitors.memory", "MemoryProfiler", False),
-    "progress": ("eventbus.sinks.console", "ConsoleProgress", False),
-}
 
 
 class UsageError(Exception):
@@ -156,76 +147,14 @@ class _LogHandler(logging.Handler):
 
 
 def resolve_spec(spec: str, *, ranks: Sequence[int] = (0,)) -> Any:
-    """Build the subscriber a SPEC names; `UsageError` (one line) when it cannot."""
-    name, sep, arg = spec.partition(":")
-    if name in BUILTINS:
-        module, cls_name, needs_dir = BUILTINS[name]
-        try:
-            cls = getattr(importlib.import_module(module), cls_name)
-        except (ImportError, AttributeError) as e:
-            raise UsageError(f"subscriber {name!r} is not available in this install "
-                             f"({module}.{cls_name}: {e})") from None
-        if needs_dir:
-            if not arg:
-                raise UsageError(f"{name} needs a directory: --subscribe {name}:DIR")
-            kwargs: dict[str, Any] = {}
-            if cls_name == "TensorBoardSink":
-                kwargs["ranks"] = (ranks[0],)  # one rank writes, as in a live run
-            return _build(spec, cls, (arg,), kwargs)
-        return _build(spec, cls, (), _options(spec, arg) if arg else {})
-    if not sep or not name or not arg:
-        raise UsageError(f"unknown subscriber {spec!r}: use jsonl:DIR, tensorboard:DIR, "
-                         "divergence, memory, progress, or module:factory")
+    """Build the subscriber a SPEC names (`eventbus.config` rules); `UsageError` when it cannot."""
     try:
-        obj: Any = importlib.import_module(name)
-    except ImportError as e:
-        raise UsageError(f"cannot import {name!r} for subscriber {spec!r}: {e}") from None
-    for part in arg.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise UsageError(f"{name!r} has no {arg!r} (subscriber {spec!r})") from None
-    if hasattr(obj, "on_events") and not isinstance(obj, type):
-        return obj  # already a subscriber object
-    if not callable(obj):
-        raise UsageError(f"{spec!r} is neither a subscriber nor a factory that makes one")
-    if not isinstance(obj, type) and _required_args(obj) == 1:
-        return obj  # a plain function of one event
-    return _build(spec, obj, (), {})
-
-
-def _build(spec: str, factory: Callable[..., Any], args: tuple[Any, ...],
-           kwargs: dict[str, Any]) -> Any:
-    try:
-        sub = factory(*args, **kwargs)
-    except (TypeError, ValueError, ImportError, OSError) as e:
-        raise UsageError(f"cannot make subscriber {spec!r}: {e}") from None
-    if not (hasattr(sub, "on_events") or callable(sub)):
-        raise UsageError(f"{spec!r} made {type(sub).__qualname__}, which is not a subscriber "
-                         "(no on_events method, not callable)")
-    return sub
-
-
-def _options(spec: str, text: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in text.split(","):
-        k, eq, v = item.partition("=")
-        if not eq or not k.strip():
-            raise UsageError(f"bad options in {spec!r}: expected key=value[,key=value]")
-        try:
-            out[k.strip()] = orjson.loads(v)
-        except orjson.JSONDecodeError:
-            out[k.strip()] = v
-    return out
-
-
-def _required_args(fn: Callable[..., Any]) -> int:
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return 0
-    return sum(1 for p in params if p.default is p.empty
-               and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+        c = parse_spec(spec)
+        if c.factory in ("tensorboard", "tb") and "ranks" not in c.kwargs:
+            c.kwargs["ranks"] = (ranks[0],)  # one rank writes, as in a live run
+        return c.build()
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
 
 
 # -- commands ----------------------------------------------------------------------------------

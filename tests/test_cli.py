@@ -177,10 +177,10 @@ def test_replay_into_jsonl_and_tensorboard(
 @pytest.mark.parametrize(("spec", "words"), [
     ("bogus", ["unknown subscriber 'bogus'"]),
     ("no_such_module_xyz:make", ["cannot import 'no_such_module_xyz'"]),
-    ("tests.test_cli:nothing_here", ["has no 'nothing_here'"]),
-    ("jsonl", ["jsonl needs a directory"]),
-    ("progress:oops", ["bad options"]),
-    ("progress:nope=1", ["cannot make subscriber"]),
+    ("tests.test_cli:nothing_here", ["has no attribute 'nothing_here'"]),
+    ("jsonl", ["missing a required argument: 'path'"]),
+    ("progress:oops", ["too many positional arguments"]),
+    ("progress:nope=1", ["unexpected keyword argument 'nope'"]),
 ])
 def test_bad_specs_are_one_line_errors(
     demo: Path, capsys: pytest.CaptureFixture[str], spec: str, words: list[str],
