@@ -7,6 +7,7 @@ subscriber, and loses nothing a lossless subscriber was promised.
 from eventbus._globals import get_bus, register_global, set_bus
 from eventbus.bus import EventBus, Subscription
 from eventbus.codec import EventDecodeError, EventEncodeError
+from eventbus.config import ConfigError, bus_from_config, subscribe_from_config
 from eventbus.control import AbortRequested, Control
 from eventbus.events import Event
 from eventbus.replay import replay
@@ -16,6 +17,7 @@ from eventbus.subscriber import Subscriber
 __all__ = [
     "AbortRequested",
     "BusStats",
+    "ConfigError",
     "Control",
     "Event",
     "EventBus",
@@ -24,10 +26,12 @@ __all__ = [
     "Subscriber",
     "SubscriberStats",
     "Subscription",
+    "bus_from_config",
     "get_bus",
     "register_global",
     "replay",
     "set_bus",
+    "subscribe_from_config",
 ]
 
 __version__ = "0.1.0"
