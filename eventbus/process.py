@@ -52,7 +52,7 @@ import anyio
 from eventbus._log import get_logger
 from eventbus._threads import ThreadWorker
 from eventbus.events import Event, UnknownEvent, event_type
-from eventbus.subscription import describe
+from eventbus.subscription import describe, takes_argument
 
 __all__ = ["ChildProcessDied", "ChildProcessHung", "ProcessSubscriber", "RemoteError"]
 
@@ -634,7 +634,7 @@ def _child_main(conn: Any, target: tuple[str, Any], ppid: int, info: dict[str, A
             sub = load_object(spec)(*args, **kwargs)
         hook = getattr(sub, "on_start", None)
         if callable(hook) and hasattr(sub, "on_events"):
-            if _takes_argument(hook):
+            if takes_argument(hook):
                 call(hook, bus)
             else:
                 call(hook)
@@ -701,12 +701,3 @@ def _each(call: Callable[..., Any], fn: Callable[[Event], Any], events: list[Eve
             f"{len(failures)} of {len(events)} events failed; first ({type(ev).__name__}, "
             f"step {ev.step}): {type(first).__name__}: {first}"
         ) from first
-
-
-def _takes_argument(fn: Callable[..., Any]) -> bool:
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return True
-    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
-               for p in params)

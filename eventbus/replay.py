@@ -29,7 +29,7 @@ from eventbus.codec import RECORD_PREFIX, EventDecodeError, decode, encode, head
 from eventbus.control import Control
 from eventbus.events import Event
 from eventbus.stats import BusStats, SubscriberStats
-from eventbus.subscription import _takes_argument, describe
+from eventbus.subscription import describe, takes_argument
 
 __all__ = ["LogReadError", "Replayer", "log_files", "read_log", "replay"]
 
@@ -370,7 +370,7 @@ class Replayer:
         fn = getattr(s.obj, hook, None) if s.batched else None
         if fn is None or not callable(fn):
             return True
-        if args and not _takes_argument(fn):
+        if args and not takes_argument(fn):
             args = ()
         try:
             r = fn(*args)

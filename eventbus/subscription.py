@@ -20,7 +20,7 @@ from eventbus._threads import ThreadWorker
 from eventbus.events import Event
 from eventbus.stats import SubscriberStats
 
-__all__ = ["POLICIES", "Policy", "Runner", "SubscriberQueue", "describe"]
+__all__ = ["POLICIES", "Policy", "Runner", "SubscriberQueue", "describe", "takes_argument"]
 
 Policy = Literal["block", "drop_oldest", "drop_newest", "latest"]
 POLICIES: tuple[str, ...] = ("block", "drop_oldest", "drop_newest", "latest")
@@ -336,7 +336,7 @@ class Runner:
         fn = getattr(self.sub, hook, None) if self.batched or hook != "on_events" else None
         if fn is None or not callable(fn):
             return True
-        if args and not _takes_argument(fn):
+        if args and not takes_argument(fn):
             args = ()  # `on_start(self)` without the bus is fine too
         self.busy_since = time.monotonic()
         self.busy_with = hook
@@ -358,7 +358,8 @@ class Runner:
         return True
 
 
-def _takes_argument(fn: Callable[..., Any]) -> bool:
+def takes_argument(fn: Callable[..., Any]) -> bool:
+    """Whether a hook accepts a positional argument (`on_start(self, bus)` vs `on_start(self)`)."""
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):

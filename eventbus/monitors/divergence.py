@@ -73,8 +73,9 @@ class DivergenceDetector:
         """The watched metric's value in `ev`, or None when `ev` does not carry it."""
         m = self.metric
         raw: Any = None
-        if type(ev) is Loss or isinstance(ev, Loss):
-            if (m == "loss" and ev.split == self.split) or (m == "eval_loss" and ev.split == "eval"):
+        if isinstance(ev, Loss):
+            wanted = self.split if m == "loss" else "eval" if m == "eval_loss" else None
+            if ev.split == wanted:
                 raw = ev.value
         elif isinstance(ev, OptimizerStepped):
             raw = ev.grad_norm if m == "grad_norm" else ev.lr if m == "lr" else None
