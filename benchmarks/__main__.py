@@ -188,6 +188,14 @@ def table(r: dict[str, Any]) -> str:
         f"| wake-up inflation, p50 pooled / block-paired | "
         f"{_pct(r.get('wakeups.p50_inflation'))} / "
         f"{_pct(r.get('wakeups.p50_inflation_blockwise'))} |",
+        f"| the same with `drain_interval=0.02`: inflation pooled / block-paired | "
+        f"{_pct(r.get('wakeups.bus_drain20_p50_inflation'))} / "
+        f"{_pct(r.get('wakeups.bus_drain20_p50_inflation_blockwise'))} |",
+        f"| bus-thread CPU per ~2 ms step (us), drain 5 ms / 20 ms | "
+        f"{_fmt(r.get('wakeups.bus_side_cpu_us_per_step'))} / "
+        f"{_fmt(r.get('wakeups.bus_drain20_bus_side_cpu_us_per_step'))} |",
+        f"| bus-thread CPU per event published in bursts, 4 subscribers (ns) | "
+        f"{_fmt(r.get('overhead.eventbus_bus_thread_cpu_ns_per_event'))} |",
         f"| GIL: step p50 (ms), no subscriber / 5 ms Python work in thread / in process | "
         f"{_fmt(r.get('gil.none_p50_ms'))} / {_fmt(r.get('gil.in_thread_p50_ms'))} / "
         f"{_fmt(r.get('gil.process_p50_ms'))} |",
