@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import resource
 import time
 from typing import Any
@@ -104,8 +105,9 @@ def run(quick: bool = False, *, blocks: int | None = None, steps: int | None = N
         return with_bus(b, 0.02, "bus_drain20")
 
     try:
-        one = sorted(train(WARMUP_STEPS + 100, None))[50]  # warm-up and calibration
-        micro[0] = max(1, round(target_step_s / one))
+        train(WARMUP_STEPS + 100, None)  # warm-up
+        one = sorted(train(WARMUP_STEPS + 200, None))[100]  # one micro-batch, p50
+        micro[0] = max(1, math.ceil(target_step_s / one))
         per_block = interleave_blocks(
             {"none": no_bus, "bus": with_bus, "bus_drain20": with_bus_drain20}, blocks=blocks)
     finally:
