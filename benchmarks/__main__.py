@@ -56,6 +56,7 @@ def _stall(quick: bool, device: str, samples_out: dict[str, Any]) -> dict[str, A
 
     out, samples = stall.measure(quick, "cpu")
     samples_out["cpu"] = samples
+    out.update(stall.subscriber_costs(100 if quick else 300))
     if device == "cuda":
         gpu, gpu_samples = stall.measure(quick, "cuda")
         samples_out["cuda"] = gpu_samples
@@ -177,6 +178,9 @@ def table(r: dict[str, Any]) -> str:
         f"| bus-side CPU per step in (b) / (b'), ms | "
         f"{_fmt(r.get('stall.eventbus_bus_side_cpu_ms_per_step'))} / "
         f"{_fmt(r.get('stall.eventbus_drain50_bus_side_cpu_ms_per_step'))} |",
+        "| bus-side CPU per step, each subscriber of (b) alone, ms | "
+        + ", ".join(f"{k.rsplit('.', 1)[1]} {_fmt(v)}" for k, v in r.items()
+                    if k.startswith("stall.bus_side_cpu_ms_per_step.")) + " |",
         f"| sustained events/s, first publish to close() returned | "
         f"{_fmt(r.get('throughput.events_per_s'))} |",
         f"| publisher alone, events/s | {_fmt(r.get('throughput.publish_events_per_s'))} |",

@@ -308,6 +308,60 @@ def torch_threads() -> int:
     return torch.get_num_threads()
 
 
+def _subscriber_sets(root: Path) -> dict[str, Callable[[], list[Any]]]:
+    from eventbus.monitors import DivergenceDetector, MemoryProfiler, SpeedMonitor
+    from eventbus.sinks import JsonlWriter, TensorBoardSink
+
+    return {
+        "bare_bus": lambda: [],
+        "jsonl": lambda: [JsonlWriter(root / "jsonl")],
+        "tensorboard": lambda: [TensorBoardSink(root / "tb")],
+        "divergence": lambda: [DivergenceDetector(action="warn")],
+        "memory": lambda: [MemoryProfiler(snapshot_dir=root / "snapshots")],
+        "speed": lambda: [SpeedMonitor(every=10)],
+        "sleeper_50ms": lambda: [_Sleeper()],
+    }
+
+
+def subscriber_costs(steps: int = 300, device: str = "cpu", threads: int = 1
+                     ) -> dict[str, Any]:
+    """Bus-side CPU per training step (ms) for each subscriber of (b) alone on the bus.
+
+    Same model and events as (b); the CPU of every thread but the training thread is read
+    from the start of the first step until a flush after the last (all work included).
+    """
+    import torch
+
+    from eventbus import EventBus
+    from eventbus.events import Loss, OptimizerStepped, StepEnded
+
+    prev_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    tr = _Trainer(device)
+    out: dict[str, Any] = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="eventbus-bench-subs-") as d:
+            for i, (name, make) in enumerate(_subscriber_sets(Path(d)).items()):
+                bus = EventBus()
+                for sub in make():
+                    bus.subscribe(sub, name=f"{name}-{i}")
+                with bus:
+                    time.sleep(0.2)  # on_start hooks (opening files, SummaryWriter) finish
+                    c0 = _other_threads_cpu_s()
+                    for s in range(steps):
+                        loss, gn = tr.step(s)
+                        bus.publish(Loss(step=s, value=loss))
+                        bus.publish(OptimizerStepped(step=s, lr=tr.lr, grad_norm=gn))
+                        bus.publish(StepEnded(step=s, samples=tr.batch))
+                        tr.end_step()
+                    bus.flush(timeout=60)
+                    cpu = _other_threads_cpu_s() - c0
+                out[f"stall.bus_side_cpu_ms_per_step.{name}"] = round(cpu / steps * 1e3, 3)
+    finally:
+        torch.set_num_threads(prev_threads)
+    return out
+
+
 def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
     """`measure` without the samples."""
     return measure(quick, device)[0]
@@ -355,7 +409,12 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--device", default="cpu")
     p.add_argument("--plot", metavar="PNG")
+    p.add_argument("--per-subscriber", action="store_true",
+                   help="only the bus-side CPU per step of each subscriber alone")
     a = p.parse_args()
+    if a.per_subscriber:
+        print(json.dumps(subscriber_costs(100 if a.quick else 300, a.device), indent=1))
+        return
     out, samples = measure(a.quick, a.device)
     if a.plot:
         plot(samples, a.plot)
