@@ -106,8 +106,11 @@ def run(quick: bool = False, *, blocks: int | None = None, steps: int | None = N
 
     try:
         train(WARMUP_STEPS + 100, None)  # warm-up
-        one = sorted(train(WARMUP_STEPS + 200, None))[100]  # one micro-batch, p50
-        micro[0] = max(1, math.ceil(target_step_s / one))
+        for _ in range(4):  # calibrate: micro-batches per step for a ~2 ms step (p50)
+            p50 = sorted(train(WARMUP_STEPS + 100, None))[50]
+            if p50 >= 0.9 * target_step_s:
+                break
+            micro[0] = max(micro[0] + 1, math.ceil(micro[0] * target_step_s / p50))
         per_block = interleave_blocks(
             {"none": no_bus, "bus": with_bus, "bus_drain20": with_bus_drain20}, blocks=blocks)
     finally:

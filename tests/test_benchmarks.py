@@ -153,3 +153,11 @@ def test_table_shows_misses_and_missing_values() -> None:
     t = bench_main.table(r)
     assert "| publish_p50_le_1us (<= 1000 ns) | 1,500 | **no** |" in t
     assert "n/a" in t
+
+
+def test_subscriber_costs_names_every_subscriber_of_b() -> None:
+    out = stall.subscriber_costs(steps=3)
+    names = {k.rsplit(".", 1)[1] for k in out}
+    assert names == {"bare_bus", "jsonl", "tensorboard", "divergence", "memory", "speed",
+                     "sleeper_50ms"}
+    assert all(v >= 0 for v in out.values())
