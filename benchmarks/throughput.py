@@ -52,6 +52,8 @@ def measure(events: int) -> dict[str, Any]:
         for i in range(events):
             publish(Loss(step=i, value=i * 0.001))
         t_published = time.perf_counter()
+        bus.flush(timeout=600)
+        cpu = _thread_cpu_s()  # before close: the bus thread and the writer's worker still live
         st = bus.close(timeout=600)
         t1 = time.perf_counter()
         lines = _count_lines(writer.path, "Loss")
@@ -71,7 +73,23 @@ def measure(events: int) -> dict[str, Any]:
         "throughput.file_mb": round(size_mb, 1),
         "throughput.rss_before_mb": round(rss0, 1),
         "throughput.rss_peak_mb": round(peak_rss_mb(), 1),
+        # CPU per event of each thread (all share one GIL, so they add up).
+        "throughput.cpu_us_per_event.publisher": round(cpu.get("MainThread", 0) / events * 1e6, 2),
+        "throughput.cpu_us_per_event.bus_thread": round(cpu.get("eventbus", 0) / events * 1e6, 2),
+        "throughput.cpu_us_per_event.jsonl_worker": round(
+            cpu.get("eventbus-jsonl", 0) / events * 1e6, 2),
     }
+
+
+def _thread_cpu_s() -> dict[str, float]:
+    """CPU seconds used so far by each live thread of this process, by thread name."""
+    import threading
+
+    import psutil
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    return {names.get(t.id, str(t.id)): t.user_time + t.system_time
+            for t in psutil.Process().threads()}
 
 
 def run(quick: bool = False, events: int | None = None) -> dict[str, Any]:
