@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 import typing
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -66,7 +65,12 @@ def _sanitize(v: Any) -> Any:  # noqa: PLR0911 - one return per kind of value
     if t in _PLAIN:
         return v
     if t is dict or isinstance(v, dict):
-        return {str(k): _sanitize(x) for k, x in v.items()}
+        # Finite floats and plain values inline: metric dicts are the common container.
+        return {
+            k if type(k) is str else str(k):
+            x if (type(x) is float and x - x == 0.0) or type(x) in _PLAIN else _sanitize(x)
+            for k, x in v.items()
+        }
     if t is list or t is tuple or isinstance(v, list | tuple):
         return [_sanitize(x) for x in v]
     if hasattr(v, "tolist") and hasattr(v, "device"):
@@ -79,19 +83,37 @@ def _sanitize(v: Any) -> Any:  # noqa: PLR0911 - one return per kind of value
 
 
 class _ClassCodec:
-    """Field tuples of one event class, built once: `to_dict` is one attrgetter call."""
+    """Per-class encoding built once: `to_dict` is a generated function (as dataclasses
+    generates `__init__`): one dict display, a finiteness test only where a float can be."""
 
-    __slots__ = ("cls", "get", "names", "numeric", "type_name")
+    __slots__ = ("cls", "names", "numeric", "to_dict", "type_name")
 
     def __init__(self, cls: type[Event]) -> None:
         self.cls = cls
         self.type_name = cls.__name__
         self.names = tuple(f.name for f in dataclasses.fields(cls))
-        getter = operator.attrgetter(*self.names)
-        self.get: Callable[[Event], tuple[Any, ...]] = (
-            (lambda ev: (getter(ev),)) if len(self.names) == 1 else getter
-        )
         self.numeric = frozenset(_numeric_fields(cls))
+        self.to_dict: Callable[[Event], dict[str, Any]] = self._compile()
+
+    def _compile(self) -> Callable[[Event], dict[str, Any]]:
+        lines, items = [], [f'"type": {self.type_name!r}']
+        for i, name in enumerate(self.names):
+            if name not in self.numeric:  # declared str / int / bool: written as is
+                items.append(f'"{name}": ev.{name}')
+                continue
+            lines.append(f"    v{i} = ev.{name}")
+            # Finite floats and None pass; NaN/Inf (x - x is NaN), containers, tensors and
+            # anything else go through _sanitize.
+            items.append(
+                f'"{name}": v{i} if v{i} is None or (type(v{i}) is float and v{i} - v{i} == 0.0)'
+                f" or type(v{i}) is int else _sanitize(v{i})"
+            )
+        src = "def to_dict(ev):\n" + "\n".join(lines) + (
+            "\n    return {" + ", ".join(items) + "}\n"
+        )
+        scope: dict[str, Any] = {"_sanitize": _sanitize}
+        exec(compile(src, f"<eventbus.codec {self.type_name}>", "exec"), scope)
+        return typing.cast(Callable[[Event], dict[str, Any]], scope["to_dict"])
 
 
 def _numeric_fields(cls: type[Event]) -> Iterator[str]:
@@ -124,17 +146,7 @@ def to_dict(ev: Event) -> dict[str, Any]:
                              "seq": ev.seq, "rank": ev.rank}
         d.update({k: _sanitize(v) for k, v in ev.data.items()})
         return d
-    c = _codec(type(ev))
-    d = {"type": c.type_name}
-    for name, v in zip(c.names, c.get(ev), strict=True):
-        t = type(v)
-        if t is float:
-            d[name] = v if v - v == 0.0 else _finite_or_tag(v)  # inf - inf and nan - nan are nan
-        elif t in _PLAIN:
-            d[name] = v
-        else:
-            d[name] = _sanitize(v)
-    return d
+    return _codec(type(ev)).to_dict(ev)
 
 
 def encode(ev: Event) -> bytes:
