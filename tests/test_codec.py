@@ -16,7 +16,7 @@ def test_flat_line_format() -> None:
     d = orjson.loads(encode(ev))
     assert d == {"type": "Loss", "step": 12, "ts": 1732269000123456789, "seq": 57, "rank": 0,
                  "value": 2.314, "split": "train"}
-    assert list(d)[0] == "type"
+    assert next(iter(d)) == "type"
     assert encode(ev).endswith(b"\n")
 
 
