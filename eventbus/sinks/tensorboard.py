@@ -97,6 +97,8 @@ class TensorBoardSink:
         self.max_queue = max_queue
         self._purge_step = None if resume_from_step is None else resume_from_step + 1
         self._writers: dict[int, Any] = {}
+        # (rank, step) -> ([(tag, value)], walltime of the first event): this batch's scalars
+        self._pending: dict[tuple[int, int], tuple[list[tuple[str, float]], float | None]] = {}
         self._bus_rank = 0
         self._last_step: dict[int, int] = {}
         self._last_step_end: dict[int, int] = {}  # rank -> ts of the previous StepEnded
@@ -115,6 +117,17 @@ class TensorBoardSink:
             if self.ranks is not None and rank not in self.ranks:
                 continue  # replaying several ranks' logs: only the chosen ranks write
             self._write(ev, rank)
+        self._write_scalars()
+
+    def _write_scalars(self) -> None:
+        """One TensorBoard event per (rank, step) holding all of the batch's scalars for it:
+        `add_scalar` costs ~100 us a value here, a summary of 7 values ~110 us in all."""
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        pending, self._pending = self._pending, {}
+        for (rank, step), (values, wall) in pending.items():
+            summary = Summary(value=[Summary.Value(tag=tag, simple_value=v) for tag, v in values])
+            self._writer(rank).file_writer.add_summary(summary, step, wall)
 
     def on_flush(self) -> None:
         """Flush every open writer to disk."""
@@ -166,9 +179,11 @@ class TensorBoardSink:
     def _write(self, ev: Event, rank: int) -> None:
         t = type(ev)
         if t is CheckpointLoaded and ev.step is not None:
+            self._write_scalars()  # what came before the resume goes to the old writer
             self._resume(ev.step)
             return
         if t is RunStarted and ev.resumed_from_step is not None:  # type: ignore[attr-defined]
+            self._write_scalars()
             self._resume(ev.resumed_from_step)  # type: ignore[attr-defined]
         step = ev.step
         if step is None:
@@ -181,9 +196,11 @@ class TensorBoardSink:
         hist = _histogram(ev) if t is TensorStats else None
         if not (scalars or texts or hist):
             return
+        for tag, value, s in scalars:  # written together at the end of the batch
+            self._pending.setdefault((rank, s), ([], wall))[0].append((tag, value))
+        if not (texts or hist):
+            return
         w = self._writer(rank)
-        for tag, value, s in scalars:
-            w.add_scalar(tag, value, s, walltime=wall)
         for tag, text in texts:
             w.add_text(tag, text, step, walltime=wall)
         if hist is not None:

@@ -170,16 +170,16 @@ def test_all_ranks_write_to_their_own_subdirectory(tmp_path: Path) -> None:
 def test_writer_runs_off_the_training_thread(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from torch.utils.tensorboard import SummaryWriter
+    from torch.utils.tensorboard.writer import FileWriter
 
     threads: set[str] = set()
-    real = SummaryWriter.add_scalar
+    real = FileWriter.add_summary
 
     def spy(self: Any, *a: Any, **kw: Any) -> Any:
         threads.add(threading.current_thread().name)
         return real(self, *a, **kw)
 
-    monkeypatch.setattr(SummaryWriter, "add_scalar", spy)
+    monkeypatch.setattr(FileWriter, "add_summary", spy)
     _run(tmp_path, [Loss(step=1, value=1.0)])
     assert threads
     assert threading.current_thread().name not in threads
