@@ -154,7 +154,7 @@ def table(r: dict[str, Any]) -> str:
          "eventbus"),
         ("(c) the same inline, as the peers do it (incl. the 50 ms callback)", "inline"),
         ("(c') inline without the 50 ms callback", "inline_nosleep"),
-        ("(b') eventbus as (b), `drain_interval=0.05` (default 0.005)", "eventbus_drain50"),
+        ("(b') eventbus as (b), `drain_interval=0.05` (default 0.02)", "eventbus_drain50"),
     ]
     for prefix in ("stall", "stall_cuda"):
         if f"{prefix}.none_p50_ms" not in r:
@@ -192,12 +192,12 @@ def table(r: dict[str, Any]) -> str:
         f"| wake-up inflation, p50 pooled / block-paired | "
         f"{_pct(r.get('wakeups.p50_inflation'))} / "
         f"{_pct(r.get('wakeups.p50_inflation_blockwise'))} |",
-        f"| the same with `drain_interval=0.02`: inflation pooled / block-paired | "
-        f"{_pct(r.get('wakeups.bus_drain20_p50_inflation'))} / "
-        f"{_pct(r.get('wakeups.bus_drain20_p50_inflation_blockwise'))} |",
-        f"| bus-thread CPU per ~2 ms step (us), drain 5 ms / 20 ms | "
+        f"| the same with `drain_interval=0.005`: inflation pooled / block-paired | "
+        f"{_pct(r.get('wakeups.bus_drain5_p50_inflation'))} / "
+        f"{_pct(r.get('wakeups.bus_drain5_p50_inflation_blockwise'))} |",
+        f"| bus-thread CPU per ~2 ms step (us), drain 20 ms (default) / 5 ms | "
         f"{_fmt(r.get('wakeups.bus_side_cpu_us_per_step'))} / "
-        f"{_fmt(r.get('wakeups.bus_drain20_bus_side_cpu_us_per_step'))} |",
+        f"{_fmt(r.get('wakeups.bus_drain5_bus_side_cpu_us_per_step'))} |",
         f"| bus-thread CPU per event published in bursts, 4 subscribers (ns) | "
         f"{_fmt(r.get('overhead.eventbus_bus_thread_cpu_ns_per_event'))} |",
         f"| GIL: step p50 (ms), no subscriber / 5 ms Python work in thread / in process | "
