@@ -51,6 +51,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 _NEW, _RUNNING, _CLOSED = "new", "running", "closed"
 
 
+_time_ns = time.time_ns  # a module global: one lookup less on the hot path
+
+
 class _Captured:
     """An inbox entry whose event holds tensors still being copied to the host."""
 
@@ -227,7 +230,7 @@ class EventBus:
                 f"got {type(ev).__module__}.{type(ev).__qualname__}: {ev!r:.80}"
             )
         if ev.ts is None:
-            ev.ts = time.time_ns()
+            ev.ts = _time_ns()
         ev.seq = next(self._seq)  # itertools.count: atomic under the GIL
         ev.rank = self.rank
         if not self._accepting:
