@@ -67,7 +67,7 @@ class DivergenceRule:
         noise_window: int = 50,
         sigmas: float = 3.0,
         long_sigmas: float = 2.0,
-        min_rise: float = 0.2,
+        min_rise: float = 0.4,
         persist: int = 3,
         slack: int = 1,
         dip: float = 0.5,
