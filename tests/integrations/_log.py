@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from eventbus import Event, EventBus
-from eventbus.codec import decode
+from eventbus.replay import read_log
 from eventbus.sinks import JsonlWriter
 
 
@@ -16,12 +16,7 @@ def attach_log(bus: EventBus, directory: Path) -> Callable[[], list[Event]]:
     bus.subscribe(JsonlWriter(directory))
 
     def read() -> list[Event]:
-        out: list[Event] = []
-        for path in sorted(directory.glob("*.jsonl")):
-            for line in path.read_bytes().splitlines():
-                ev = decode(line)
-                if ev is not None:
-                    out.append(ev)
+        out = list(read_log(sorted(directory.glob("*.jsonl"))))
         assert out, f"no events in {directory}"
         return out
 
@@ -44,5 +39,4 @@ def run_example(name: str, out: Path) -> list[Event]:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     module.main(["--quick", "--out", str(out)])
-    return [ev for line in (out / "events.jsonl").read_bytes().splitlines()
-            if (ev := decode(line)) is not None]
+    return list(read_log(out / "events.jsonl"))
