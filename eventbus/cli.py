@@ -33,19 +33,15 @@ from eventbus.events import (
     CheckpointLoaded,
     CheckpointSaved,
     DivergenceDetected,
-    EvalEnded,
     Event,
-    Loss,
     MemoryLeakSuspected,
-    MemorySample,
-    OptimizerStepped,
     RunEnded,
     RunStarted,
-    Scalars,
-    StepEnded,
     StopRequested,
 )
 from eventbus.replay import LogReadError, Replayer, log_files, log_ranks, read_log, write_events
+from eventbus.sinks._text import describe
+from eventbus.sinks._text import fields as _fields
 
 __all__ = ["main"]
 
@@ -357,64 +353,11 @@ class StepLines:
         return [line]
 
 
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.3e}"
-    return str(v)
-
-
-def _fields(ev: Event) -> dict[str, str]:  # noqa: PLR0911 - one per event type
-    if isinstance(ev, Loss):
-        return {"loss" if ev.split == "train" else f"{ev.split}_loss": _fmt(ev.value)}
-    if isinstance(ev, OptimizerStepped):
-        return {k: _fmt(v) for k, v in (("lr", ev.lr), ("grad_norm", ev.grad_norm))
-                if v is not None}
-    if isinstance(ev, StepEnded) and ev.duration_s is not None:
-        return {"time": f"{ev.duration_s * 1e3:.1f}ms"}
-    if isinstance(ev, EvalEnded):
-        return {f"eval_{k}": _fmt(v) for k, v in ev.metrics.items()}
-    if isinstance(ev, Scalars):
-        return {k: _fmt(v) for k, v in ev.values.items()}
-    if isinstance(ev, MemorySample):
-        out = {}
-        if ev.rss_mb is not None:
-            out["rss"] = f"{ev.rss_mb:.0f}MB"
-        if ev.allocated_mb is not None:
-            out["cuda"] = f"{ev.allocated_mb:.0f}MB"
-        return out
-    return {}
-
-
 def _notable(ev: Event) -> str | None:
     if isinstance(ev, RunStarted | RunEnded | DivergenceDetected | MemoryLeakSuspected
                   | StopRequested | CheckpointSaved | CheckpointLoaded):
         return "-- " + describe(ev)
     return None
-
-
-def describe(ev: Event) -> str:  # noqa: PLR0911 - one per event type
-    """One readable line for an event (replay output, tail)."""
-    if isinstance(ev, DivergenceDetected):
-        return (f"DivergenceDetected at step {ev.step}: {ev.metric} {_fmt(ev.value)} "
-                f"(baseline {_fmt(ev.baseline)}) {ev.reason}")
-    if isinstance(ev, MemoryLeakSuspected):
-        return (f"MemoryLeakSuspected at step {ev.step}: {ev.metric} "
-                f"+{ev.rate_mb_per_step:.3g} MB/step over {ev.window} steps")
-    if isinstance(ev, StopRequested):
-        return (f"{'abort' if ev.abort else 'stop'} requested at step {ev.step} by "
-                f"{ev.source}: {ev.reason}")
-    if isinstance(ev, RunStarted):
-        total = f", {ev.total_steps} steps" if ev.total_steps else ""
-        resumed = (f", resumed from step {ev.resumed_from_step}"
-                   if ev.resumed_from_step is not None else "")
-        return f"run started{total}{resumed}"
-    if isinstance(ev, RunEnded):
-        return f"run {ev.status}" + (f": {ev.reason}" if ev.reason else "")
-    if isinstance(ev, CheckpointSaved | CheckpointLoaded):
-        return f"{type(ev).__name__} at step {ev.step}: {ev.path}"
-    fields = _fields(ev)
-    body = "  ".join(f"{k} {v}" for k, v in fields.items())
-    return f"{type(ev).__name__} at step {ev.step}" + (f": {body}" if body else "")
 
 
 if __name__ == "__main__":

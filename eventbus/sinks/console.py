@@ -23,6 +23,7 @@ from eventbus.events import (
     StepEnded,
     StopRequested,
 )
+from eventbus.sinks._text import describe
 
 __all__ = ["ConsoleProgress"]
 
@@ -91,7 +92,7 @@ class ConsoleProgress:
                 self._message(f"run {ev.status} at step {self._step}"  # type: ignore[attr-defined]
                               + (f": {ev.reason}" if ev.reason else ""))  # type: ignore[attr-defined]
             else:
-                self._message(_describe(ev))
+                self._message(describe(ev))
         self._show()
 
     def on_close(self) -> None:
@@ -174,18 +175,6 @@ class ConsoleProgress:
             self.stream.write(("\n" if self._step is not None and not self.use_tqdm else "")
                               + text + "\n")
             self.stream.flush()
-
-
-def _describe(ev: Event) -> str:
-    if isinstance(ev, DivergenceDetected):
-        return (f"divergence at step {ev.step}: {ev.metric}={ev.value:.4g} "
-                f"(baseline {ev.baseline:.4g}) {ev.reason}")
-    if isinstance(ev, MemoryLeakSuspected):
-        return (f"memory leak suspected at step {ev.step}: {ev.metric} "
-                f"+{ev.rate_mb_per_step:.2f} MB/step over {ev.window} steps")
-    if isinstance(ev, StopRequested):
-        return f"{'abort' if ev.abort else 'stop'} requested by {ev.source}: {ev.reason}"
-    return f"{type(ev).__name__} at step {ev.step}"
 
 
 def _float(v: Any) -> float | None:

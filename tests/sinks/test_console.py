@@ -77,7 +77,7 @@ def test_detections_and_run_end_are_printed() -> None:
                  RunEnded(status="stopped", reason="diverged")])
     p.on_close()
     text = out.getvalue()
-    assert "divergence at step 2" in text
+    assert "DivergenceDetected at step 2" in text
     assert "run stopped" in text
 
 
