@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +136,9 @@ def test_checkpoint_loaded_and_load_state_dict_purge_too(tmp_path: Path) -> None
     assert got == [(1, 1.0), (2, 1.0), (3, 3.0), (4, 3.0)]
 
     _run(tmp_path / "b", [Loss(step=s, value=1.0) for s in range(1, 6)])
+    # TensorBoard reads a directory's event files in name order, and a name carries the
+    # second it was created in: a resumed run is a later second (here: wait for one).
+    time.sleep(1.1)
     sink = TensorBoardSink(tmp_path / "b")
     bus = EventBus(drain_interval=0.002)
     bus.subscribe(sink)
