@@ -1,7 +1,7 @@
 """The event bus: a non-blocking `publish` in front of an anyio loop on a background thread.
 
     training thread                         bus thread (anyio, asyncio backend)
-    bus.publish(ev): stamp, capture,   -->  router (every few ms, or early when the inbox
+    bus.publish(ev): stamp, capture,   -->  router (every 20 ms, or early when the inbox
       deque.append; O(1), no wake            nears its bound): type -> runners (MRO cached)
                                              runner queue --batch--> subscriber.on_events
                                              runner queue --batch--> worker thread (sync code)
@@ -10,7 +10,8 @@
 does not wake the bus thread: a cross-thread wake costs ~4 us and hands over the GIL, so the
 router drains on a timer and is woken early only when the inbox nears its bound. The one
 place a publisher waits is a full inbox while a lossless (`block`) subscriber is attached:
-backpressure, by choice.
+backpressure, by choice. The bus thread's side (router, subscriber lifecycle) is in
+`eventbus.router`; one subscriber's queue and task are in `eventbus.subscription`.
 """
 
 from __future__ import annotations
@@ -29,17 +30,17 @@ from types import FrameType, TracebackType
 from typing import Any, TypeVar
 
 import anyio
-from anyio.abc import TaskGroup
 
 from eventbus._log import get_logger
 from eventbus._threads import in_worker
 from eventbus.agreement import StopAgreement
 from eventbus.capture import FIELDS as _CAPTURABLE
 from eventbus.capture import PLAIN as _PLAIN
-from eventbus.capture import capturable_fields, capture_event, pending_of, resolve
+from eventbus.capture import capturable_fields, capture_event
 from eventbus.control import Control
 from eventbus.dist import rank_info
 from eventbus.events import Event
+from eventbus.router import CONTROL, Attach, Captured, Detach, Flush, LoopSide
 from eventbus.stats import BusStats, SubscriberStats
 from eventbus.steps import PhaseScope, StepScope
 from eventbus.subscription import POLICIES, Runner, describe
@@ -52,47 +53,6 @@ _NEW, _RUNNING, _CLOSED = "new", "running", "closed"
 
 
 _time_ns = time.time_ns  # a module global: one lookup less on the hot path
-
-
-class _Captured:
-    """An inbox entry whose event holds tensors still being copied to the host."""
-
-    __slots__ = ("ev",)
-
-    def __init__(self, ev: Event) -> None:
-        self.ev = ev
-
-
-class _Attach:
-    __slots__ = ("runner",)
-
-    def __init__(self, runner: Runner) -> None:
-        self.runner = runner
-
-
-class _Detach:
-    __slots__ = ("runner",)
-
-    def __init__(self, runner: Runner) -> None:
-        self.runner = runner
-
-
-class _Flush:
-    """Done when every subscriber handled what was published before it."""
-
-    __slots__ = ("done", "remaining")
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.remaining = 0
-
-    def one_done(self) -> None:
-        self.remaining -= 1
-        if self.remaining <= 0:
-            self.done.set()
-
-
-_CONTROL = (_Attach, _Detach, _Flush)
 
 
 class Subscription:
@@ -140,7 +100,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class EventBus:
+class EventBus(LoopSide):
     """A non-blocking bus: `publish` from the training loop, subscribers on a bus thread.
 
     Use `with EventBus() as bus:` (or `start()` / `close()`). Rank and world size come from
@@ -245,7 +205,7 @@ class EventBus:
                 # A tensor (or a container): detach + async copy into pinned memory (CUDA)
                 # or a clone (CPU). Never .item(): no device synchronisation.
                 if capture_event(ev):
-                    item = _Captured(ev)
+                    item = Captured(ev)
                 break
         inbox = self._inbox
         if len(inbox) >= self._wake_at and not self._admit(item):
@@ -306,7 +266,7 @@ class EventBus:
             return True
         # Only lossy subscribers: drop this event rather than wait, and count it for
         # everyone who would have received it.
-        ev = item.ev if type(item) is _Captured else item
+        ev = item.ev if type(item) is Captured else item
         with self._drop_lock:
             for r in self._targets(type(ev), cache=False):
                 r.inbox_dropped += 1
@@ -402,7 +362,7 @@ class EventBus:
             if self._state == _NEW:
                 self._routes.clear()
             else:
-                self._inbox.append(_Attach(runner))
+                self._inbox.append(Attach(runner))
                 self._wake()
         return Subscription(self, runner)
 
@@ -444,7 +404,7 @@ class EventBus:
                 if runner.lossless:
                     self._lossless -= 1
             elif self._state == _RUNNING:
-                self._inbox.append(_Detach(runner))
+                self._inbox.append(Detach(runner))
                 self._wake()
 
     def _targets(self, cls: type, *, cache: bool = True) -> tuple[Runner, ...]:
@@ -498,7 +458,7 @@ class EventBus:
                 return self._state == _CLOSED
             if self._on_bus_side():
                 raise RuntimeError("flush() would deadlock when called from a subscriber")
-            marker = _Flush()
+            marker = Flush()
             self._inbox.append(marker)
             self._wake_pending = False
             self._wake()
@@ -601,7 +561,7 @@ class EventBus:
 
     def _published_total(self) -> int:
         return self._published + self._inbox_dropped + sum(
-            1 for x in list(self._inbox) if type(x) not in _CONTROL
+            1 for x in list(self._inbox) if type(x) not in CONTROL
         )
 
     # -- subscriber state (checkpoints) --------------------------------------------------
@@ -660,197 +620,6 @@ class EventBus:
         self._rejected = 0
         self._prev_handlers.clear()
         atexit.unregister(self._at_exit)
-
-    # -- the bus thread --------------------------------------------------------------
-
-    def _thread_main(self) -> None:
-        self._thread_id = threading.get_ident()
-        try:
-            anyio.run(self._main, backend="asyncio")
-        except BaseException as e:  # never silently: the close report names it
-            self._loop_error = e
-            get_logger().error("eventbus thread crashed", exc_info=e)
-        finally:
-            self._ready.set()
-            self._space.set()
-
-    async def _main(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._wake_evt = anyio.Event()
-        async with anyio.create_task_group() as tg:
-            initial = list(self._runners)  # later ones arrive through _Attach in the inbox
-            for r in initial:
-                r.open()
-            self._ready.set()
-            for r in initial:
-                await self._start_runner(tg, r)
-            await self._route_until_closing(tg)
-            await self._shutdown(tg)
-            tg.cancel_scope.cancel()
-
-    async def _start_runner(self, tg: TaskGroup, r: Runner) -> None:
-        if not await r.call_hook("on_start", self):
-            r.disable("on_start raised")
-        tg.start_soon(r.run, name=f"eventbus:{r.name}")
-
-    async def _route_until_closing(self, tg: TaskGroup) -> None:
-        interval = self.drain_interval
-        while not self._closing:
-            await self._drain(tg)
-            if self._inbox:
-                await anyio.sleep(0)  # more arrived while routing: let subscribers run first
-                continue
-            evt = self._wake_evt
-            assert evt is not None
-            if not evt.is_set():
-                with anyio.move_on_after(interval):
-                    await evt.wait()
-            if evt.is_set():
-                self._wake_evt = anyio.Event()
-
-    async def _drain(self, tg: TaskGroup, chunk: int = 4096) -> None:
-        """Route, in order, what the inbox holds now (at most `chunk` events)."""
-        inbox = self._inbox
-        n = len(inbox)
-        if n > self._inbox_high_water:
-            self._inbox_high_water = n
-        popleft = inbox.popleft
-        routes = self._routes
-        for _ in range(min(n, chunk)):
-            item = popleft()
-            cls = type(item)
-            if cls is _Captured:
-                ev = item.ev
-                delay = 0.0001
-                for p in pending_of(ev):
-                    while not p.ready():  # a device->host copy still in flight: poll
-                        await anyio.sleep(delay)  # backing off: each wake takes the GIL
-                        delay = min(delay * 2, self.drain_interval)
-                resolve(ev)
-                item, cls = ev, type(ev)
-            elif cls in _CONTROL:
-                await self._control(tg, item)
-                continue
-            self._published += 1
-            targets = routes.get(cls)
-            if targets is None:
-                targets = self._targets(cls)
-            for i, r in enumerate(targets):
-                q = r.queue
-                if not q.offer(item):  # type: ignore[union-attr]
-                    self._space.set()  # room in the inbox while this queue is full
-                    try:
-                        await q.put(item)  # type: ignore[union-attr]
-                    except anyio.get_cancelled_exc_class():  # the close deadline passed
-                        for lost in targets[i:]:
-                            lost.lost_at_close += 1
-                        raise
-                r.published += 1
-        self._space.set()  # publishers waiting on a full inbox poll this (and time out)
-
-    async def _control(self, tg: TaskGroup, item: Any) -> None:
-        if type(item) is _Attach:
-            r = item.runner
-            r.open()
-            self._routes.clear()
-            await self._start_runner(tg, r)
-        elif type(item) is _Detach:
-            r = item.runner
-            r.state = "removed"
-            self._routes.clear()
-            if r.lossless:
-                self._lossless -= 1
-            tg.start_soon(self._retire, r)
-        else:
-            live = [r for r in self._runners if r.queue is not None and r.state != "removed"]
-            item.remaining = len(live) + 1
-            for r in live:
-                r.add_marker(item.one_done)
-            item.one_done()
-
-    async def _retire(self, r: Runner) -> None:
-        """A removed subscriber: deliver what was queued, then `on_close`."""
-        await self._wait_idle([r], self._close_deadline or (time.monotonic() + self.close_timeout))
-        await r.call_hook("on_close")
-        r.state = "closed"
-
-    async def _wait_idle(self, runners: list[Runner], deadline: float) -> bool:
-        """Wait until these runners' queues are empty and none is busy; False at the deadline."""
-        while time.monotonic() < deadline:
-            if _idle(runners):
-                return True
-            await anyio.sleep(0.001)
-        return False
-
-    async def _shutdown(self, tg: TaskGroup) -> None:
-        """Drain, then close subscribers newest first; what they publish while closing
-        still reaches those not yet closed. Whatever is still busy at the deadline is hung."""
-        deadline = self._close_deadline
-        while await self._drain_until_idle(tg, deadline):
-            # Recomputed each round: a subscribe() just before close() is attached by the
-            # drain above, and must be drained and closed like the others.
-            live = [r for r in self._open_runners() if r.state in ("running", "disabled")]
-            if not live:
-                # Removed subscribers finish in their own _retire task: wait for them.
-                while any(r.state == "removed" for r in self._runners):
-                    if time.monotonic() >= deadline:
-                        break
-                    await anyio.sleep(0.001)
-                break
-            r = live[-1]
-            with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
-                await r.call_hook("on_close")
-            if r.busy_since is not None:
-                break  # its on_close hung: the deadline passed
-            r.state = "closed"
-            self._routes.clear()
-        self._accepting = False
-        hung = []
-        for r in self._runners:
-            if r.queue is None:
-                continue
-            if r.busy_since is not None:
-                r.state = "hung"
-                hung.append(r.name)
-            lost = len(r.queue)
-            if lost:
-                r.queue.discard_all()
-        for item in list(self._inbox):  # routed nowhere: count as lost for their targets
-            if type(item) not in _CONTROL:
-                ev = item.ev if type(item) is _Captured else item
-                for r in self._targets(type(ev)):
-                    r.lost_at_close += 1
-        self._inbox.clear()
-        self._hung = tuple(hung)
-        if hung:
-            get_logger().error(
-                "subscribers did not finish before the close deadline and were abandoned",
-                subscribers=hung,
-                busy_with={r.name: r.busy_with for r in self._runners if r.name in hung},
-            )
-
-    def _open_runners(self) -> list[Runner]:
-        """Runners attached on the loop and not closed yet (removed ones still draining too)."""
-        return [r for r in self._runners if r.queue is not None and r.state != "closed"]
-
-    async def _drain_until_idle(self, tg: TaskGroup, deadline: float) -> bool:
-        """Route the inbox and let every open runner finish its queue; False at the deadline."""
-        while time.monotonic() < deadline:
-            with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
-                await self._drain(tg)
-            if self._inbox:
-                await anyio.sleep(0)
-            elif _idle(self._open_runners()):  # recomputed: the drain may attach runners
-                return True
-            else:
-                await anyio.sleep(0.001)
-        return False
-
-
-def _idle(runners: list[Runner]) -> bool:
-    return all(
-        r.queue is None or (not len(r.queue) and r.busy_since is None) for r in runners
-    )
 
 
 def _event_types(spec: Any) -> tuple[type[Event], ...]:
