@@ -29,17 +29,19 @@ naming the entry and what to fix, before anything is subscribed.
 
 from __future__ import annotations
 
-import importlib
+import difflib
 import inspect
 import json
+import math
 import os
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eventbus.events import Event, event_type
+from eventbus.loader import SHORT_NAMES, LoadError, load_object
 
 if TYPE_CHECKING:
     from eventbus.bus import EventBus, Subscription
@@ -53,7 +55,7 @@ __all__ = [
     "SubscriberConfig",
     "bus_from_config",
     "load_config",
-    "load_object",
+    "load_object",  # re-exported (with SHORT_NAMES) until process placement imports eventbus.loader
     "parse_spec",
     "subscribe_from_config",
     "subscriber_from_spec",
@@ -62,18 +64,6 @@ __all__ = [
 
 CONFIG_ENV = "EVENTBUS_CONFIG"
 SUBSCRIBERS_ENV = "EVENTBUS_SUBSCRIBERS"
-
-# Built-ins by short name, imported only when used (the core never imports sinks/monitors).
-SHORT_NAMES: dict[str, str] = {
-    "jsonl": "eventbus.sinks:JsonlWriter",
-    "tensorboard": "eventbus.sinks:TensorBoardSink",
-    "tb": "eventbus.sinks:TensorBoardSink",
-    "progress": "eventbus.sinks:ConsoleProgress",
-    "console": "eventbus.sinks:ConsoleProgress",
-    "divergence": "eventbus.monitors:DivergenceDetector",
-    "memory": "eventbus.monitors:MemoryProfiler",
-    "speed": "eventbus.monitors:SpeedMonitor",
-}
 
 _OPTIONS = ("policy", "ranks", "placement", "events", "maxsize", "max_batch", "name")
 _ENTRY_KEYS = ("factory", "args", "kwargs", *_OPTIONS)
@@ -85,29 +75,12 @@ class ConfigError(ValueError):
     """A subscriber configuration that cannot be used; says which entry and what to fix."""
 
 
-def load_object(path: str, *, where: str = "") -> Any:
-    """The object an import path `package.module:attr` (or a short name) names."""
-    prefix = f"{where}: " if where else ""
-    target = SHORT_NAMES.get(path, path)
-    module_name, sep, attr = target.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(
-            f"{prefix}{path!r} is neither a built-in ({', '.join(SHORT_NAMES)}) nor an import "
-            "path 'package.module:factory'"
-        )
+def _load(path: str, where: str) -> Any:
+    """`load_object`, its `LoadError` as a `ConfigError` naming the source and entry."""
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"{prefix}cannot import {module_name!r} for {path!r}: {e}") from e
-    obj: Any = module
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ConfigError(
-                f"{prefix}module {module_name!r} has no attribute {attr!r} (from {path!r})"
-            ) from None
-    return obj
+        return load_object(path)
+    except LoadError as e:
+        raise ConfigError(f"{where}: {e}") from e
 
 
 @dataclass
@@ -128,7 +101,7 @@ class SubscriberConfig:
 
     def factory_object(self) -> Any:
         """The callable the factory path names (imported now)."""
-        obj = load_object(self.factory, where=self.where)
+        obj = _load(self.factory, self.where)
         if not callable(obj):
             raise ConfigError(f"{self.where}: {self.factory!r} is not callable")
         return obj
@@ -157,7 +130,7 @@ class SubscriberConfig:
         if "ranks" in self.kwargs:
             r = self.kwargs["ranks"]
             return None if r is None else tuple(r)
-        cls_ranks = getattr(load_object(self.factory, where=self.where), "ranks", None)
+        cls_ranks = getattr(_load(self.factory, self.where), "ranks", None)
         return tuple(cls_ranks) if isinstance(cls_ranks, (tuple, list)) else None
 
     def ready_made(self) -> Any:
@@ -165,7 +138,7 @@ class SubscriberConfig:
         `on_events`, or a function of one event) and no arguments were given; else None."""
         if self.args or self.kwargs:
             return None
-        obj = load_object(self.factory, where=self.where)
+        obj = _load(self.factory, self.where)
         if isinstance(obj, type):
             return None
         if hasattr(obj, "on_events"):
@@ -217,7 +190,9 @@ class SubscriberConfig:
         fn = self.factory_object()
         try:
             return fn(*self.args, **self.kwargs)
-        except Exception as e:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # user code: a factory may raise anything, SystemExit too
             raise ConfigError(
                 f"{self.where}: building {_qualname(fn)}({_show_args(self)}) failed: "
                 f"{type(e).__name__}: {e}"
@@ -303,7 +278,7 @@ def parse_spec(spec: str, *, where: str = "") -> SubscriberConfig:
 
 def _entry(raw: Any, where: str) -> SubscriberConfig:
     if isinstance(raw, str):
-        return parse_spec(raw, where=where)
+        return parse_spec(raw, where=f"{where} ({raw.strip()!r})")
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where}: expected a SPEC string or a table, got {type(raw).__name__}")
     unknown = sorted(set(raw) - set(_ENTRY_KEYS))
@@ -378,26 +353,99 @@ def _read_toml(path: Path, where: str) -> dict[str, Any]:
         raise ConfigError(f"{where}: {str(path)!r} is not valid TOML: {e}") from None
 
 
-def _document(doc: Mapping[str, Any], where: str) -> list[SubscriberConfig]:
+@dataclass(frozen=True)
+class _Rule:
+    """What one `[bus]` option takes, in words (`need`) and as a test (`ok`)."""
+
+    need: str
+    ok: Callable[[Any], bool]
+
+
+def _int_from(lo: int) -> Callable[[Any], bool]:
+    return lambda v: type(v) is int and v >= lo  # `type is`: True is not an int here
+
+
+def _seconds(v: Any) -> bool:
+    return type(v) in (int, float) and math.isfinite(v) and v > 0
+
+
+# The EventBus keywords a [bus] table may set, checked before anything is built. A keyword
+# EventBus takes that is missing here is passed through for EventBus to check (a test pins
+# that this table covers them all).
+_BUS_RULES: dict[str, _Rule] = {
+    "drain_interval": _Rule("> 0 seconds (a finite number)", _seconds),
+    "inbox_maxsize": _Rule("an int >= 2", _int_from(2)),
+    "close_timeout": _Rule("> 0 seconds (a finite number)", _seconds),
+    "handle_signals": _Rule("true or false", lambda v: type(v) is bool),
+    "max_consecutive_failures": _Rule("an int >= 1 (JSON null: never disable)",
+                                      lambda v: v is None or _int_from(1)(v)),
+    "rank": _Rule("an int >= 0", _int_from(0)),
+    "world_size": _Rule("an int >= 1", _int_from(1)),
+    "name": _Rule("a non-empty string", lambda v: isinstance(v, str) and bool(v)),
+    "stop_check_every": _Rule("an int >= 1", _int_from(1)),
+}
+
+
+def _bus_keywords() -> list[str]:
+    """Every keyword `EventBus` takes (its signature, so a new option is known at once)."""
+    from eventbus.bus import EventBus
+
+    params = inspect.signature(EventBus).parameters.values()
+    return sorted({p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+                  | set(_BUS_RULES))
+
+
+def _bus_options(raw: Any, where: str) -> dict[str, Any]:
+    """A `[bus]` table, every option known, typed and in range (EventBus's own wording)."""
+    w = f"{where} [bus]"
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{w}: must be a table of EventBus options, got {raw!r}")
+    known = _bus_keywords()
+    for key, value in raw.items():
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(
+                f"{w}: unknown option {key!r} (EventBus does not take it); {hint}"
+                f"known options: {', '.join(known)}"
+            )
+        rule = _BUS_RULES.get(key)
+        if rule is not None and not rule.ok(value):
+            raise ConfigError(f"{w}: {key} must be {rule.need}, got {value!r}")
+    rank, size = raw.get("rank"), raw.get("world_size")
+    if rank is not None and size is not None and rank >= size:
+        raise ConfigError(f"{w}: rank {rank} must be below world_size {size}")
+    return dict(raw)
+
+
+_Parsed = tuple[dict[str, Any], list[SubscriberConfig]]  # ([bus] options, subscribers)
+
+
+def _document(doc: Mapping[str, Any], where: str) -> _Parsed:
     unknown = sorted(set(doc) - {"subscribers", "bus"})
     if unknown:
         raise ConfigError(
             f"{where}: unknown top-level key(s) {', '.join(map(repr, unknown))}; "
             "use [[subscribers]] entries and an optional [bus] table"
         )
+    bus = _bus_options(doc.get("bus", {}), where)
     subs = doc.get("subscribers", [])
     if not isinstance(subs, list):
         raise ConfigError(f"{where}: 'subscribers' must be an array of tables ([[subscribers]])")
-    return [_entry(raw, f"{where} subscribers #{i}") for i, raw in enumerate(subs, 1)]
+    return bus, [_entry(raw, f"{where} subscribers #{i}") for i, raw in enumerate(subs, 1)]
 
 
-def _from_text(text: str, where: str) -> list[SubscriberConfig]:
+def _toml(path: Path, where: str) -> _Parsed:
+    return _document(_read_toml(path, where), where)
+
+
+def _from_text(text: str, where: str) -> _Parsed:
     """An environment variable's value: a TOML path, JSON, or ';'-separated SPECs."""
     s = text.strip()
     if not s:
-        return []
+        return {}, []
     if s.endswith(".toml") or (os.sep in s and Path(s).is_file() and "\n" not in s):
-        return _document(_read_toml(Path(s), where), f"{where} ({s})")
+        return _toml(Path(s), f"{where} ({s})")
     if s[0] in "[{":
         try:
             data = json.loads(s)
@@ -405,36 +453,57 @@ def _from_text(text: str, where: str) -> list[SubscriberConfig]:
             raise ConfigError(f"{where}: starts like JSON but does not parse: {e}") from None
         if isinstance(data, Mapping):
             return _document(data, where)
-        return [_entry(raw, f"{where} entry {i}") for i, raw in enumerate(data, 1)]
+        return {}, [_entry(raw, f"{where} entry {i}") for i, raw in enumerate(data, 1)]
     specs = [p for p in s.replace("\n", ";").split(";") if p.strip()]
-    return [parse_spec(p, where=f"{where} entry {i} ({p.strip()!r})")
-            for i, p in enumerate(specs, 1)]
+    return {}, [parse_spec(p, where=f"{where} entry {i} ({p.strip()!r})")
+                for i, p in enumerate(specs, 1)]
+
+
+def _merged(*parts: tuple[str, _Parsed]) -> _Parsed:
+    """Several sources' options and subscribers; an option two sources set differently is
+    an error (which one wins would be a guess)."""
+    bus: dict[str, Any] = {}
+    seen: dict[str, str] = {}
+    subs: list[SubscriberConfig] = []
+    for where, (opts, configs) in parts:
+        for k, v in opts.items():
+            if k in bus and bus[k] != v:
+                raise ConfigError(f"{where} [bus]: {k} = {v!r} contradicts {seen[k]}'s "
+                                  f"{bus[k]!r}; set it in one place")
+            bus[k], seen[k] = v, where
+        subs += configs
+    return bus, subs
+
+
+def _environment(config: Path | None = None) -> list[tuple[str, _Parsed]]:
+    """`config` or else `EVENTBUS_CONFIG` (a TOML path), then `EVENTBUS_SUBSCRIBERS`."""
+    out = []
+    if config is not None:
+        out.append((str(config), _toml(config, str(config))))
+    elif path := os.environ.get(CONFIG_ENV, "").strip():
+        out.append((CONFIG_ENV, _toml(Path(path), f"{CONFIG_ENV} ({path})")))
+    out.append((SUBSCRIBERS_ENV, _from_text(os.environ.get(SUBSCRIBERS_ENV, ""), SUBSCRIBERS_ENV)))
+    return out
 
 
 Source = str | os.PathLike[str] | Mapping[str, Any] | Sequence[Any] | None
 
 
 def load_config(source: Source = None) -> list[SubscriberConfig]:
-    """Parse and check a configuration; nothing is built yet.
+    """Parse and check a configuration (its `[bus]` table too); nothing is built yet.
 
     `source`: None (the environment: `EVENTBUS_CONFIG`, then `EVENTBUS_SUBSCRIBERS`), a TOML
     path, a string as the environment variable takes it, a parsed document (dict with
     `subscribers`), or a list of SPEC strings / entry dicts.
     """
     if source is None:
-        out: list[SubscriberConfig] = []
-        path = os.environ.get(CONFIG_ENV, "").strip()
-        if path:
-            out += _document(_read_toml(Path(path), CONFIG_ENV), f"{CONFIG_ENV} ({path})")
-        out += _from_text(os.environ.get(SUBSCRIBERS_ENV, ""), SUBSCRIBERS_ENV)
-        return out
+        return _merged(*_environment())[1]
     if isinstance(source, os.PathLike):
-        p = Path(source)
-        return _document(_read_toml(p, str(p)), str(p))
+        return _toml(Path(source), str(source))[1]
     if isinstance(source, str):
-        return _from_text(source, "subscriber config")
+        return _from_text(source, "subscriber config")[1]
     if isinstance(source, Mapping):
-        return _document(source, "subscriber config")
+        return _document(source, "subscriber config")[1]
     return [_entry(raw, f"subscriber config entry {i}") for i, raw in enumerate(source, 1)]
 
 
@@ -464,24 +533,17 @@ def subscribe_from_config(bus: EventBus, source: Source = None) -> list[Subscrip
 
 
 def bus_from_config(source: str | os.PathLike[str] | None = None, **options: Any) -> EventBus:
-    """An `EventBus` with the `[bus]` table of a TOML file (default: `EVENTBUS_CONFIG`) and
-    `options` on top, with the file's subscribers and `EVENTBUS_SUBSCRIBERS`' subscribed."""
+    """An `EventBus` with the `[bus]` options of a TOML file (default: `EVENTBUS_CONFIG`) and of
+    `EVENTBUS_SUBSCRIBERS`, `options` on top, and both sources' subscribers subscribed."""
     from eventbus.bus import EventBus
 
-    path = source if source is not None else (os.environ.get(CONFIG_ENV, "").strip() or None)
-    doc: dict[str, Any] = {}
-    configs: list[SubscriberConfig] = []
-    if path is not None:
-        doc = _read_toml(Path(path), str(path))
-        configs = _document(doc, str(path))
-    configs += _from_text(os.environ.get(SUBSCRIBERS_ENV, ""), SUBSCRIBERS_ENV)
-    bus_opts = doc.get("bus", {})
-    if not isinstance(bus_opts, Mapping):
-        raise ConfigError(f"{path}: [bus] must be a table of EventBus options")
+    parts = _environment(config=None if source is None else Path(source))
+    bus_opts, configs = _merged(*parts)
     try:
         bus = EventBus(**{**bus_opts, **options})
-    except TypeError as e:
-        raise ConfigError(f"{path}: [bus] has an option EventBus does not take: {e}") from None
+    except (TypeError, ValueError) as e:  # an option _BUS_RULES does not cover, or a keyword
+        named = [w for w, (opts, _) in parts if opts] + ["keywords"] * bool(options)
+        raise ConfigError(f"bus options from {' and '.join(named)}: {e}") from None
     for b in _build(configs, bus.rank):
         b.subscribe(bus)
     return bus

@@ -167,7 +167,7 @@ def test_env_config_toml_and_bus_options(monkeypatch: pytest.MonkeyPatch, tmp_pa
 
 
 def test_process_placement_from_config(tmp_path: Path) -> None:
-    doc = {"subscribers": [{"factory": "tests.test_process:Tally",
+    doc = {"subscribers": [{"factory": "tests.process.subs:Tally",
                             "kwargs": {"path": str(tmp_path / "steps")},
                             "placement": "process"}]}
     built = subscribers_from_config(doc)
@@ -233,7 +233,7 @@ def test_bad_env_and_files(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
         load_config(two)
     opts = tmp_path / "opts.toml"
     opts.write_text("[bus]\ndrain_intervall = 1\n")
-    with pytest.raises(ConfigError, match="EventBus does not take"):
+    with pytest.raises(ConfigError, match=r"opts.toml \[bus\]: unknown option 'drain_intervall'"):
         bus_from_config(opts)
 
 
@@ -241,3 +241,155 @@ def test_nothing_configured_is_empty() -> None:
     assert load_config() == []
     with EventBus() as bus:
         assert subscribe_from_config(bus) == []
+
+
+# -- issue 14 item 10: every bad entry is a ConfigError naming its source and entry ----------
+
+
+def _module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, body: str) -> str:
+    """A module `name` on sys.path whose import runs `body`."""
+    (tmp_path / f"{name}.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+def test_relative_import_path_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SUBSCRIBERS_ENV, ".relative:x")
+    with pytest.raises(ConfigError, match=r"EVENTBUS_SUBSCRIBERS entry 1 \('\.relative:x'\): "
+                       r".*not an absolute module name \(relative imports"):
+        load_config()
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("def broken(:\n", "SyntaxError"),
+        ("raise RuntimeError('no GPU here')\n", "RuntimeError: no GPU here"),
+        ("import sys\nsys.exit(2)\n", "SystemExit: 2.*__main__"),  # a script without a guard
+        ("from no_such_dependency_xyz import thing\n", "No module named 'no_such_dependency_xyz'"),
+    ],
+    ids=["syntax", "raises", "sys.exit", "missing-dependency"],
+)
+def test_module_failing_at_import_is_a_config_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str, message: str
+) -> None:
+    name = _module(tmp_path, monkeypatch, f"cfg_bad_{abs(hash(body))}", body)
+    monkeypatch.setenv(SUBSCRIBERS_ENV, f"divergence; {name}:make")
+    with pytest.raises(ConfigError, match=rf"EVENTBUS_SUBSCRIBERS entry 2 \('{name}:make'\): "
+                       rf".*{name}.*{message}"):
+        load_config()
+
+
+def test_keyboard_interrupt_at_import_is_not_swallowed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name = _module(tmp_path, monkeypatch, "cfg_ctrl_c", "raise KeyboardInterrupt\n")
+    with pytest.raises(KeyboardInterrupt):
+        load_config([f"{name}:make"])
+
+
+def test_factory_raising_system_exit_is_a_config_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name = _module(tmp_path, monkeypatch, "cfg_exits",
+                   "import sys\ndef make():\n    sys.exit('no')\n")
+    with pytest.raises(ConfigError,
+                       match=r"entry 1 \('cfg_exits:make'\): building make\(\) failed: SystemExit"):
+        subscribers_from_config([f"{name}:make"])
+
+
+def _toml_file(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "eventbus.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("drain_interval = 0", "drain_interval must be > 0 seconds.*got 0$"),
+        ("drain_interval = nan", "drain_interval must be > 0 seconds.*got nan"),
+        ("drain_interval = inf", "drain_interval must be > 0 seconds.*got inf"),
+        ('drain_interval = "fast"', "drain_interval must be > 0 seconds.*got 'fast'"),
+        ('inbox_maxsize = "big"', "inbox_maxsize must be an int >= 2, got 'big'"),
+        ("inbox_maxsize = 1", "inbox_maxsize must be an int >= 2, got 1"),
+        ("inbox_maxsize = 1e6", "inbox_maxsize must be an int >= 2, got 1000000.0"),
+        ("close_timeout = -1", "close_timeout must be > 0 seconds.*got -1"),
+        ('handle_signals = "yes"', "handle_signals must be true or false, got 'yes'"),
+        ("max_consecutive_failures = 0", "max_consecutive_failures must be an int >= 1"),
+        ("rank = -1", "rank must be an int >= 0, got -1"),
+        ("world_size = 0", "world_size must be an int >= 1, got 0"),
+        ("rank = 2\nworld_size = 2", "rank 2 must be below world_size 2"),
+        ('name = ""', "name must be a non-empty string"),
+        ("stop_check_every = true", "stop_check_every must be an int >= 1, got True"),
+        ("drain_intervall = 1", "unknown option 'drain_intervall'.*did you mean 'drain_interval'"
+                                ".*known options: close_timeout, drain_interval, handle_signals"),
+        ("bus = 1", "unknown option 'bus'"),
+    ],
+)
+def test_bad_bus_option(tmp_path: Path, line: str, message: str) -> None:
+    path = _toml_file(tmp_path, f"[bus]\n{line}\n")
+    where = rf"{path} \[bus\]: "
+    with pytest.raises(ConfigError, match=where + message):
+        load_config(path)  # checked at load time: nothing is built
+    with pytest.raises(ConfigError, match=where + message):
+        bus_from_config(path)
+
+
+def test_bus_table_must_be_a_table(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"\[bus\]: must be a table of EventBus options"):
+        load_config(_toml_file(tmp_path, 'bus = "fast"\n'))
+
+
+def test_bus_options_cover_every_eventbus_keyword() -> None:
+    """Each keyword EventBus takes has a typed, range-checked rule in config."""
+    import inspect
+
+    from eventbus import config
+
+    params = inspect.signature(EventBus).parameters
+    assert set(config._BUS_RULES) == set(params)
+
+
+def test_bus_options_in_env_json_are_checked_and_applied(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SUBSCRIBERS_ENV, json.dumps({"bus": {"drain_interval": 0}}))
+    with pytest.raises(ConfigError, match=r"EVENTBUS_SUBSCRIBERS \[bus\]: drain_interval"):
+        load_config()
+    monkeypatch.setenv(SUBSCRIBERS_ENV, json.dumps({"bus": {"drain_interval": 0.007}}))
+    bus = bus_from_config()
+    bus.close()
+    assert bus.drain_interval == 0.007  # applied (it used to be ignored silently)
+    monkeypatch.setenv(SUBSCRIBERS_ENV, json.dumps({"bus": {"name": "from-env"}}))
+    bus = bus_from_config(name="from-code")  # keyword options win over files
+    bus.close()
+    assert bus.name == "from-code"
+
+
+def test_two_sources_disagreeing_on_a_bus_option(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    path = _toml_file(tmp_path, "[bus]\ndrain_interval = 0.01\n")
+    monkeypatch.setenv(SUBSCRIBERS_ENV, json.dumps({"bus": {"drain_interval": 0.05}}))
+    with pytest.raises(ConfigError, match=r"EVENTBUS_SUBSCRIBERS \[bus\]: drain_interval = 0.05 "
+                       r"contradicts .*eventbus.toml's 0.01; set it in one place"):
+        bus_from_config(path)
+
+
+def test_nothing_named_is_imported_before_the_whole_config_is_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Guarantee 6: a bad [bus] table fails before any subscriber module runs, and a path that
+    appears only as an argument value is never imported."""
+    marker = tmp_path / "imported"
+    name = _module(tmp_path, monkeypatch, "cfg_marks",
+                   f"open({str(marker)!r}, 'a').write('x')\ndef make(*a, **k):\n    return a\n")
+    path = _toml_file(tmp_path, f'[bus]\ndrain_interval = 0\n\n[[subscribers]]\n'
+                                f'factory = "{name}:make"\n')
+    with pytest.raises(ConfigError, match="drain_interval"):
+        bus_from_config(path)
+    assert not marker.exists()
+    load_config([f"tests.test_config:Collector:{name}:make",
+                 {"factory": "tests.test_config:Collector", "kwargs": {"tag": f"{name}:make"}}])
+    assert not marker.exists()
+    load_config([f"{name}:make"])  # asked for: imported
+    assert marker.exists()
