@@ -117,7 +117,7 @@ def serialisation() -> dict[str, float]:
     (`codec.encode` / `decode`), best of 20 over 1,536 mixed events."""
     from eventbus import codec
     from eventbus.events import Scalars, StepEnded
-    from eventbus.process import pack, unpack
+    from eventbus.process.wire import pack, unpack
 
     evs: list[Event] = []
     for i in range(512):

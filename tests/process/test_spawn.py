@@ -1,0 +1,125 @@
+"""Launching and ending the child; the parent's `__main__`, imported only when needed."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import psutil
+import pytest
+
+from eventbus.process import spawn
+from tests.process.subs import Tally, gone
+
+ROOT = Path(__file__).parents[2]
+
+
+@pytest.mark.parametrize("protocol", [0, pickle.HIGHEST_PROTOCOL])
+def test_only_a_pickle_naming_main_makes_the_child_import_the_script(
+    protocol: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert not spawn.refers_to_main(pickle.dumps(Tally("x"), protocol=protocol))
+    assert spawn.main_to_import(pickle.dumps(Tally("x"), protocol=protocol)) is None
+    in_main = type("InMainXyz", (), {"__module__": "__main__"})
+    monkeypatch.setattr(sys.modules["__main__"], "InMainXyz", in_main, raising=False)
+    assert spawn.refers_to_main(pickle.dumps(in_main(), protocol=protocol))
+
+
+SCRIPT = """
+import sys
+sys.path.insert(0, {root!r})
+from eventbus import Event, EventBus
+from eventbus.events import Loss, Scalars
+
+class InScript:
+    policy = "block"
+    def __init__(self):
+        self.bus = None
+    def on_start(self, bus):
+        self.bus = bus
+    async def on_events(self, batch):
+        for ev in batch:
+            self.bus.publish(Scalars(step=ev.step, values={{"echo": 1.0}}))
+
+def main():
+    bus = EventBus()
+    seen = []
+    bus.subscribe(lambda ev: seen.append(ev.step), events=[Scalars], policy="block")
+    h = bus.subscribe(InScript(), events=[Loss], placement="process")
+    with bus:
+        for i in range(5):
+            bus.publish(Loss(step=i, value=1.0))
+        bus.flush(30)
+    st = h.stats()
+    print("delivered", st.delivered, "echoed", len(seen), st.state)
+    print("error", st.error)
+
+{call}
+"""
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+def test_subscriber_defined_in_the_script(tmp_path: Path, guarded: bool) -> None:
+    call = 'if __name__ == "__main__":\n    main()' if guarded else "main()"
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.format(root=str(ROOT), call=call))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=90, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if guarded:  # imported as __mp_main__ in the child: its class unpickles, main() does not run
+        assert "delivered 5 echoed 5 closed" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    else:  # the child would run the training again: it refuses, and says what to do
+        assert "delivered 0" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+        assert 'guard the script\'s training code with `if __name__ == "__main__":`' \
+            in proc.stdout
+
+
+def test_child_dies_when_parent_is_killed(tmp_path: Path) -> None:
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from eventbus import EventBus
+        from eventbus.process import ProcessSubscriber
+        from tests.process.subs import Tally
+        if __name__ == "__main__":
+            bus = EventBus()
+            sub = ProcessSubscriber(Tally({str(tmp_path / "s")!r}))
+            bus.subscribe(sub)
+            bus.start()
+            sub.wait_ready(60)
+            print(sub.pid, flush=True)
+            time.sleep(120)
+    """))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        line = parent.stdout.readline()
+        child = int(line)
+        assert psutil.pid_exists(child)
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(10)
+        assert gone(child, 5), "the child outlived its SIGKILLed parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(5)
+
+
+def test_kill_ends_a_child_that_ignores_sigterm() -> None:
+    popen = subprocess.Popen([sys.executable, "-c",
+                              "import signal, sys, time; signal.signal(signal.SIGTERM, "
+                              "signal.SIG_IGN); print(1, flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE)
+    child = spawn.Child(popen)
+    assert popen.stdout is not None
+    popen.stdout.readline()  # SIGTERM is ignored from here on
+    spawn.kill(child)
+    assert not child.is_alive()
+    assert child.exitcode == -signal.SIGKILL
+    assert "killed by signal 9" in child.why_dead("x", "no reply")
