@@ -1,22 +1,16 @@
-"""The event bus: a non-blocking `publish` in front of an anyio loop on a background thread.
+"""`EventBus`: the public face. It checks its arguments and delegates to the core.
 
-    training thread                         bus thread (anyio, asyncio backend)
-    bus.publish(ev): stamp, capture,   -->  router (every 20 ms, or early when the inbox
-      deque.append; O(1), no wake            nears its bound): type -> runners (MRO cached)
-                                             runner queue --batch--> subscriber.on_events
-                                             runner queue --batch--> worker thread (sync code)
+    training thread                        bus thread (core.loop)
+    bus.publish(ev): stamp, capture  --->  core.inbox --> core.router --> core.queue (one per
+      core.inbox.put: O(1), no wake          subscriber) --> core.delivery --> on_events
 
-`publish` is an append to a deque (thread-safe in CPython) plus a few attribute stores. It
-does not wake the bus thread: a cross-thread wake costs ~4 us and hands over the GIL, so the
-router drains on a timer and is woken early only when the inbox nears its bound. The one
-place a publisher waits is a full inbox while a lossless (`block`) subscriber is attached:
-backpressure, by choice. The bus thread's side (router, subscriber lifecycle) is in
-`eventbus.router`; one subscriber's queue and task are in `eventbus.subscription`.
+`publish` stamps the event, captures its tensors without a device sync, and appends it to the
+inbox; the loop routes on a timer. The one place a publisher waits is a full inbox while a
+lossless (`block`) subscriber is attached: backpressure, by choice.
 """
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import itertools
 import os
@@ -24,62 +18,61 @@ import signal
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Hashable, Iterable
 from types import FrameType, TracebackType
 from typing import Any, TypeVar
 
 import anyio
 
-from eventbus._log import get_logger
-from eventbus._threads import in_worker
 from eventbus.agreement import StopAgreement
-from eventbus.capture import FIELDS as _CAPTURABLE
-from eventbus.capture import PLAIN as _PLAIN
-from eventbus.capture import capturable_fields, capture_event
+from eventbus.capture import capture_event
 from eventbus.control import Control
+from eventbus.core.delivery import Delivery, State, describe, event_types, unique_name
+from eventbus.core.inbox import BIG, Attach, Boxed, Detach, Flush, Inbox, InboxMode
+from eventbus.core.loop import BusLoop
+from eventbus.core.queue import POLICIES
+from eventbus.core.sizing import NUMBERS, checked_fields, sizeof_event
 from eventbus.dist import rank_info
 from eventbus.events import Event
-from eventbus.router import CONTROL, Attach, Captured, Detach, Flush, LoopSide
+from eventbus.log import get_logger
 from eventbus.stats import BusStats, SubscriberStats
 from eventbus.steps import PhaseScope, StepScope
-from eventbus.subscription import POLICIES, Runner, describe
 
 __all__ = ["EventBus", "Subscription"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_NEW, _RUNNING, _CLOSED = "new", "running", "closed"
-
-
+_NEW, _RUNNING, _CLOSED, _FORKED = "new", "running", "closed", "forked"
 _time_ns = time.time_ns  # a module global: one lookup less on the hot path
+_CHECKED: dict[type, tuple[str, ...]] = {}
 
 
 class Subscription:
     """What `subscribe` returns: `.remove()` detaches, `.stats()` reads its counters."""
 
-    def __init__(self, bus: EventBus, runner: Runner | None) -> None:
+    def __init__(self, bus: EventBus, delivery: Delivery | None) -> None:
         self._bus = bus
-        self._runner = runner
+        self._delivery = delivery
 
     @property
     def name(self) -> str | None:
         """The subscriber's unique name in `bus.stats()` (None if not active on this rank)."""
-        return self._runner.name if self._runner else None
+        return self._delivery.name if self._delivery else None
 
     @property
     def active(self) -> bool:
         """False when `ranks=` excluded this rank, or after `remove()`."""
-        return self._runner is not None and self._runner.state not in ("removed", "closed")
+        return self._delivery is not None and self._delivery.state in (
+            State.PENDING, State.RUNNING, State.DISABLED)
 
     def remove(self) -> None:
         """Detach: events published from now on are not routed to it; queued ones still are."""
-        if self._runner is not None:
-            self._bus._detach(self._runner)
+        if self._delivery is not None:
+            self._bus._detach(self._delivery)
 
     def stats(self) -> SubscriberStats | None:
         """This subscriber's `SubscriberStats` (None if not active on this rank)."""
-        return self._runner.stats() if self._runner else None
+        return self._delivery.stats() if self._delivery else None
 
     def __enter__(self) -> Subscription:
         return self
@@ -100,13 +93,14 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class EventBus(LoopSide):
+class EventBus:
     """A non-blocking bus: `publish` from the training loop, subscribers on a bus thread.
 
-    Use `with EventBus() as bus:` (or `start()` / `close()`). Rank and world size come from
-    `torch.distributed` or torchrun's environment unless given. `drain_interval`: how often
-    the bus thread wakes to route (20 ms: each wake costs the loop a GIL hand-over; measured
-    +6% on a 2 ms step at 5 ms, +1-2% at 20 ms); it wakes early when the inbox fills.
+    Use `with EventBus() as bus:` (or `start()` / `close()`). `drain_interval`: how often the
+    bus thread wakes to route (each wake costs the loop a GIL hand-over). The inbox is bounded
+    in events (`inbox_maxsize`) and bytes (`inbox_max_bytes`, events of 1 KiB or more);
+    `queue_max_bytes` bounds each subscriber's queue likewise. `handle_signals`: drain on
+    SIGTERM (as torchrun and SLURM send before a kill), then run the handler that was there.
     """
 
     def __init__(
@@ -114,18 +108,22 @@ class EventBus(LoopSide):
         *,
         drain_interval: float = 0.02,
         inbox_maxsize: int = 65536,
+        inbox_max_bytes: int = 256 << 20,
+        queue_max_bytes: int = 256 << 20,
         close_timeout: float = 30.0,
-        handle_signals: bool = False,
+        handle_signals: bool = True,
         max_consecutive_failures: int | None = 100,
         rank: int | None = None,
         world_size: int | None = None,
         name: str = "eventbus",
         stop_check_every: int = 1,
     ) -> None:
-        if drain_interval <= 0:
-            raise ValueError(f"drain_interval must be > 0 seconds, got {drain_interval!r}")
-        if inbox_maxsize < 2:
-            raise ValueError(f"inbox_maxsize must be >= 2, got {inbox_maxsize!r}")
+        _positive("drain_interval", drain_interval, float)
+        _positive("close_timeout", close_timeout, float)
+        _positive("inbox_max_bytes", inbox_max_bytes, int)
+        _positive("queue_max_bytes", queue_max_bytes, int)
+        if not isinstance(inbox_maxsize, int) or inbox_maxsize < 2:
+            raise ValueError(f"inbox_maxsize must be an int >= 2, got {inbox_maxsize!r}")
         if not isinstance(stop_check_every, int) or stop_check_every < 1:
             raise ValueError(f"stop_check_every must be an int >= 1, got {stop_check_every!r}")
         info = rank_info()
@@ -137,43 +135,22 @@ class EventBus(LoopSide):
         self.close_timeout = close_timeout
         self.handle_signals = handle_signals
         self.max_consecutive_failures = max_consecutive_failures
+        self.queue_max_bytes = queue_max_bytes
         self.control = Control(self.publish)
         if self.world_size > 1:  # should_stop agreed by all ranks (one small all_reduce)
             self.control.agree = StopAgreement(self.control, every=stop_check_every)
-
-        self._inbox: deque[Any] = deque()
-        self._inbox_maxsize = inbox_maxsize
-        self._wake_at = max(1, inbox_maxsize // 2)
+        self._inbox = Inbox(inbox_maxsize, inbox_max_bytes, waits=self._lossless,
+                            drop=self._count_drop, loop_thread=self._loop_thread)
+        self._loop = BusLoop(self._inbox, self, name=name, interval=drain_interval)
+        self._put = self._inbox.put
         self._seq = itertools.count()
         self._state = _NEW
-        self._accepting = True
         self._lifecycle = threading.RLock()
-        self._runners: list[Runner] = []
-        self._routes: dict[type, tuple[Runner, ...]] = {}
+        self._deliveries: list[Delivery] = []  # every subscription made, for stats and names
         self._names: set[str] = set()
-        self._lossless = 0  # attached runners with the `block` policy
-
-        self._thread: threading.Thread | None = None
-        self._thread_id: int | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._wake_evt: anyio.Event | None = None
-        self._wake_pending = False
-        self._space = threading.Event()
         self._drop_lock = threading.Lock()
-        self._ready = threading.Event()
-        self._closing = False
-        self._close_deadline = 0.0
-        self._hung: tuple[str, ...] = ()
-        self._loop_error: BaseException | None = None
         self._prev_handlers: dict[int, Any] = {}
-        self._is_child = False
-
-        self._published = 0  # bumped by the router (single writer) for events it took in
-        self._inbox_dropped = 0  # bumped by publishers (events dropped at a full inbox)
-        self._rejected = 0
-        self._inbox_high_water = 0
-        self._blocked_ns = 0
-        self._wakeups = 0
+        self._exit_hook = False
         _BUSES.add(self)
 
     # -- publishing ------------------------------------------------------------------
@@ -189,113 +166,66 @@ class EventBus(LoopSide):
                 f"publish() takes an eventbus Event (a dataclass subclassing eventbus.Event), "
                 f"got {type(ev).__module__}.{type(ev).__qualname__}: {ev!r:.80}"
             )
+        if ev.seq is not None:
+            raise ValueError(
+                f"this {type(ev).__name__} object was already published (seq={ev.seq}); the bus "
+                "holds it until subscribers have it, so publish a new event object each time "
+                "(dataclasses.replace(ev) makes a copy)"
+            )
         if ev.ts is None:
             ev.ts = _time_ns()
         ev.seq = next(self._seq)  # itertools.count: atomic under the GIL
         ev.rank = self.rank
-        if not self._accepting:
-            self._reject(ev)
-            return
-        item: Any = ev
-        names = _CAPTURABLE.get(type(ev))
+        names = _CHECKED.get(type(ev))
         if names is None:
-            names = capturable_fields(type(ev))
+            names = _CHECKED[type(ev)] = checked_fields(type(ev))
         for name in names:
-            if type(getattr(ev, name)) not in _PLAIN:
-                # A tensor (or a container): detach + async copy into pinned memory (CUDA)
-                # or a clone (CPU). Never .item(): no device synchronisation.
-                if capture_event(ev):
-                    item = Captured(ev)
-                break
-        inbox = self._inbox
-        if len(inbox) >= self._wake_at and not self._admit(item):
+            v = getattr(ev, name)
+            t = type(v)
+            if t in NUMBERS or (t is str and len(v) < BIG):
+                continue
+            self._publish_slow(ev, names)  # a tensor, a container or a long text
             return
-        inbox.append(item)
+        self._put(ev)
+
+    def _publish_slow(self, ev: Event, names: tuple[str, ...]) -> None:
+        nbytes = sizeof_event(ev, names)  # sizes are host metadata: no device sync
+        # Tensors: detach + async copy into pinned memory (CUDA) or a clone (CPU).
+        # Never .item(): no device synchronisation.
+        captured = capture_event(ev)
+        if captured or nbytes >= BIG:
+            self._inbox.put_boxed(Boxed(ev, nbytes if nbytes >= BIG else 0, captured))
+        else:
+            self._put(ev)
 
     async def apublish(self, ev: Event) -> None:
         """`publish` for async code: waits without blocking the caller's event loop."""
-        if self._full() and self._must_wait():
-            while self._full() and self._state != _CLOSED:
-                self._wake()
-                await anyio.sleep(0.001)
+        inbox = self._inbox
+        while inbox.full() and self._lossless() and inbox.mode == InboxMode.LIVE \
+                and not inbox.on_bus_side():
+            inbox.wake()
+            await anyio.sleep(0.001)
         self.publish(ev)
 
     def step(self, step: int, *, samples: Any = None, tokens: Any = None) -> StepScope:
-        """`with bus.step(n, samples=, tokens=)`: StepStarted, then StepEnded with duration_s.
-
-        Host wall time (perf_counter), never a device sync; see `eventbus.steps`.
-        """
+        """`with bus.step(n, samples=, tokens=)`: StepStarted, then StepEnded with duration_s."""
         return StepScope(self, step, samples=samples, tokens=tokens)
 
     def phase(self, name: str, *, step: int | None = None, **fields: Any) -> PhaseScope:
         """`with bus.phase("forward" | "backward" | "optimizer")`: its *Ended event at the end."""
         return PhaseScope(self, name, step, **fields)
 
-    def _full(self) -> bool:
-        return len(self._inbox) >= self._inbox_maxsize
+    def _lossless(self) -> bool:
+        return self._loop.router.lossless > 0
 
-    def _must_wait(self) -> bool:
-        return self._lossless > 0 and not self._on_bus_side()
+    def _loop_thread(self) -> int | None:
+        return self._loop.thread_id
 
-    def _on_bus_side(self) -> bool:
-        """The bus thread or a subscriber's worker: waiting for the bus there could deadlock."""
-        return threading.get_ident() == self._thread_id or in_worker()
-
-    def _admit(self, item: Any) -> bool:
-        """The inbox nears its bound: wake the router; when full, wait (lossless) or drop.
-
-        Returns False when `item` must be dropped (counted here).
-        """
-        if self._state == _NEW:
-            if self._full():
-                raise RuntimeError(
-                    f"{len(self._inbox)} events published but the bus was never started: "
-                    "call bus.start() or use `with bus:` before publishing this many"
-                )
-            return True
-        self._wake()
-        if not self._full() or self._on_bus_side():
-            return True  # never block the bus side itself (a monitor publishing)
-        if self._lossless > 0:
-            t0 = time.perf_counter_ns()
-            while self._full() and self._state == _RUNNING and not self._is_child:
-                self._space.clear()
-                self._wake()
-                self._space.wait(0.01)
-            self._blocked_ns += time.perf_counter_ns() - t0
-            return True
-        # Only lossy subscribers: drop this event rather than wait, and count it for
-        # everyone who would have received it.
-        ev = item.ev if type(item) is Captured else item
+    def _count_drop(self, ev: Event) -> None:
+        """An event dropped at the inbox: counted for every subscriber that would have had it."""
         with self._drop_lock:
-            for r in self._targets(type(ev), cache=False):
-                r.inbox_dropped += 1
-            self._inbox_dropped += 1
-        return False
-
-    def _wake(self) -> None:
-        loop = self._loop
-        if loop is None or self._wake_pending:
-            return
-        self._wake_pending = True
-        self._wakeups += 1
-        try:
-            loop.call_soon_threadsafe(self._on_wake)
-        except RuntimeError:  # the loop already closed
-            self._wake_pending = False
-
-    def _on_wake(self) -> None:
-        self._wake_pending = False
-        if self._wake_evt is not None:
-            self._wake_evt.set()
-
-    def _reject(self, ev: Event) -> None:
-        self._rejected += 1
-        if self._rejected == 1 and not self._is_child:
-            get_logger().warning(
-                "event published after the bus closed; it is not delivered",
-                event_type=type(ev).__name__, step=ev.step,
-            )
+            for d in self._loop.router.targets(type(ev), cache=False):
+                d.inbox_dropped += 1
 
     # -- subscribing -----------------------------------------------------------------
 
@@ -325,7 +255,7 @@ class EventBus(LoopSide):
             )
         if hasattr(sub, "on_events") and not callable(sub.on_events):
             raise TypeError(f"{type(sub).__qualname__}.on_events is not callable")
-        types = _event_types(events if events is not None else getattr(sub, "events", None))
+        types = event_types(events if events is not None else getattr(sub, "events", None))
         policy = policy or getattr(sub, "policy", None) or "drop_oldest"
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
@@ -339,36 +269,28 @@ class EventBus(LoopSide):
         if placement not in ("thread", "process"):
             raise ValueError(f"placement must be 'thread' or 'process', got {placement!r}")
         ranks = ranks if ranks is not None else getattr(sub, "ranks", None)
-        if ranks is not None and self.rank not in set(ranks):
+        if (ranks is not None and self.rank not in set(ranks)) or self._state == _FORKED:
             return Subscription(self, None)
         if placement == "process":
-            sub = self._process_proxy(sub, types)
-        runner = Runner(
-            sub,
-            name=self._unique(name or describe(sub)),
-            events=types,
-            policy=policy,
-            maxsize=maxsize,
-            max_batch=max_batch,
-            key=key,
-            max_consecutive_failures=self.max_consecutive_failures,
-        )
+            from eventbus.process import ProcessSubscriber  # the sidecar: loaded when asked
+
+            if not isinstance(sub, ProcessSubscriber):
+                sub = ProcessSubscriber(sub, events=types)
         with self._lifecycle:
             if self._state == _CLOSED:
                 raise RuntimeError("subscribe() on a closed bus: create a new EventBus")
-            self._runners.append(runner)
-            if runner.lossless:
-                self._lossless += 1
-            if self._state == _NEW:
-                self._routes.clear()
-            else:
-                self._inbox.append(Attach(runner))
-                self._wake()
-        return Subscription(self, runner)
+            d = Delivery(sub, name=unique_name(name or describe(sub), self._names), events=types,
+                         policy=policy, maxsize=maxsize, max_batch=max_batch,
+                         max_bytes=self.queue_max_bytes, key=key,
+                         max_consecutive_failures=self.max_consecutive_failures)
+            self._deliveries.append(d)
+            self._inbox.put_control(Attach(d))
+            if self._state == _NEW and not self._exit_hook:
+                atexit.register(self._at_exit)  # events for it must not vanish unstarted
+                self._exit_hook = True
+        return Subscription(self, d)
 
-    def on(
-        self, *events: type[Event], **options: Any
-    ) -> Callable[[F], F]:
+    def on(self, *events: type[Event], **options: Any) -> Callable[[F], F]:
         """Decorator form: `@bus.on(Loss)` subscribes a sync or async function of one event."""
 
         def register(fn: F) -> F:
@@ -377,68 +299,29 @@ class EventBus(LoopSide):
 
         return register
 
-    def _process_proxy(self, sub: Any, types: tuple[type[Event], ...]) -> Any:
-        try:
-            from eventbus.process import ProcessSubscriber
-        except ImportError:
-            raise NotImplementedError("placement='process' is not available yet") from None
-        if isinstance(sub, ProcessSubscriber):
-            return sub  # already one (built from configuration)
-        return ProcessSubscriber(sub, events=types)
-
-    def _unique(self, base: str) -> str:
-        name, i = base, 2
-        while name in self._names:
-            name, i = f"{base}#{i}", i + 1
-        self._names.add(name)
-        return name
-
-    def _detach(self, runner: Runner) -> None:
+    def _detach(self, d: Delivery) -> None:
         with self._lifecycle:
-            if runner.state in ("removed", "closed"):
-                return
-            if self._state == _NEW:
-                self._runners.remove(runner)
-                self._routes.clear()
-                runner.state = "removed"
-                if runner.lossless:
-                    self._lossless -= 1
-            elif self._state == _RUNNING:
-                self._inbox.append(Detach(runner))
-                self._wake()
-
-    def _targets(self, cls: type, *, cache: bool = True) -> tuple[Runner, ...]:
-        """The runners that take `cls` (a base class receives subclasses), cached by type.
-
-        Only the bus thread writes the cache: a publisher computing routes concurrently with
-        an attach could otherwise store a stale tuple after the router cleared it.
-        """
-        t = self._routes.get(cls)
-        if t is None:
-            t = tuple(r for r in self._runners
-                      if r.queue is not None and r.state not in ("removed", "closed")
-                      and issubclass(cls, r.events))
-            if cache:
-                self._routes[cls] = t
-        return t
+            if d.state is State.PENDING and self._state == _NEW:
+                d.state = State.REMOVED  # never attached: the loop skips its Attach
+            elif d.state in (State.PENDING, State.RUNNING, State.DISABLED) and \
+                    self._state == _RUNNING:
+                self._inbox.put_control(Detach(d))
 
     # -- lifecycle -------------------------------------------------------------------
 
     def start(self) -> EventBus:
         """Start the bus thread (idempotent); returns once the loop runs."""
         with self._lifecycle:
-            if self._state == _RUNNING:
+            if self._state in (_RUNNING, _FORKED):
                 return self
             if self._state == _CLOSED:
                 raise RuntimeError("this bus was closed; create a new EventBus to start again")
-            self._thread = threading.Thread(target=self._thread_main, name=self.name, daemon=True)
-            self._thread.start()
-            if not self._ready.wait(30.0):
-                raise RuntimeError("the eventbus thread did not start within 30 s")
-            if self._loop_error is not None:
-                raise RuntimeError("the eventbus thread failed to start") from self._loop_error
+            self._loop.start()
+            self._inbox.mode = InboxMode.LIVE
             self._state = _RUNNING
-            atexit.register(self._at_exit)
+            if not self._exit_hook:
+                atexit.register(self._at_exit)
+                self._exit_hook = True
             if self.handle_signals:
                 self._install_signal_handlers()
         return self
@@ -452,27 +335,27 @@ class EventBus(LoopSide):
         self.close()
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every subscriber handled what was published before; False on timeout."""
+        """Wait until every subscriber handled what was published before, then ran its
+        `on_flush` (a file sink's lines are then on disk); False on timeout."""
         with self._lifecycle:
-            if self._state != _RUNNING:
+            if self._state != _RUNNING or not self._loop.alive:
                 return self._state == _CLOSED
-            if self._on_bus_side():
+            if self._inbox.on_bus_side():
                 raise RuntimeError("flush() would deadlock when called from a subscriber")
             marker = Flush()
-            self._inbox.append(marker)
-            self._wake_pending = False
-            self._wake()
+            self._inbox.put_control(marker)
         return marker.done.wait(timeout)
 
     def close(self, timeout: float | None = None) -> BusStats:
         """Drain every subscriber, call their `on_close`, stop the thread; idempotent.
 
-        A subscriber still busy after `timeout` seconds (default `close_timeout`) is
-        abandoned and named in the returned stats (`hung`) and in the log.
+        Each subscriber gets a fair share of `timeout` (default `close_timeout`); one still
+        busy after its share is abandoned and named in the returned stats (`hung`). A Ctrl-C
+        while closing keeps draining; a second one gives up and counts what is lost.
         """
-        if self._is_child:
+        if self._state == _FORKED:
             return self.stats()
-        if self._on_bus_side():
+        if self._inbox.on_bus_side():
             raise RuntimeError(
                 "close() cannot be called from a subscriber; use bus.control.request_stop()"
             )
@@ -480,55 +363,81 @@ class EventBus(LoopSide):
             if self._state == _CLOSED:
                 return self.stats()
             if self._state == _NEW:
-                if not self._runners or not self._inbox:
+                if not any(isinstance(x, Event) or type(x) is Boxed for x in self._inbox.items):
                     self._finish()
                     return self.stats()
                 self.start()  # events are waiting for subscribers: deliver them
-            timeout = self.close_timeout if timeout is None else timeout
-            self._close_deadline = time.monotonic() + max(0.0, timeout)
-            self._closing = True
-            self._wake_pending = False
-            self._wake()
-            thread = self._thread
-        assert thread is not None
-        thread.join(max(0.0, timeout) + 0.25)
+            timeout = self.close_timeout if timeout is None else max(0.0, timeout)
+            deadline = time.monotonic() + timeout
+            self._loop.close(deadline)
+        interrupt = self._wait_closed(deadline)
         with self._lifecycle:
-            if thread.is_alive():  # the loop itself is blocked (sync code inside async def)
-                self._accepting = False
-                self._hung = tuple(r.name for r in self._runners if r.busy_since is not None)
-                for r in self._runners:
-                    if r.busy_since is not None:
-                        r.state = "hung"
+            if self._loop.alive:  # the loop itself is blocked (sync code inside async def)
+                self._loop_blocked()
             self._finish()
+        if interrupt is not None:
+            raise interrupt
         return self.stats()
+
+    def _wait_closed(self, deadline: float) -> KeyboardInterrupt | None:
+        """Wait for the loop to finish; a first Ctrl-C keeps draining, a second gives up."""
+        interrupt: KeyboardInterrupt | None = None
+        while True:
+            try:
+                self._loop.wait(max(0.0, deadline - time.monotonic()) + 0.25)
+                return interrupt
+            except KeyboardInterrupt as e:
+                if interrupt is None:
+                    interrupt = e
+                    get_logger().warning(
+                        "interrupted while closing: still draining lossless subscribers; "
+                        "interrupt again to give up (what is lost is counted)",
+                        seconds_left=round(max(0.0, deadline - time.monotonic()), 1))
+                else:
+                    self._loop.give_up()
+                    deadline = min(deadline, time.monotonic() + 1.0)
+
+    def _loop_blocked(self) -> None:
+        culprit = self._loop.culprit()
+        self._inbox.close()
+        self._loop.router.remaining()
+        for d in self._loop.router.deliveries:
+            d.abandon()
+        if culprit is not None:
+            culprit.state = State.HUNG
+            self._loop.hung += (culprit.name,)
+        get_logger().error(
+            "the bus loop is blocked (sync code inside `async def`?); abandoned it",
+            culprit=culprit.name if culprit else None,
+            busy_with=culprit.busy_with if culprit else None,
+        )
 
     def _finish(self) -> None:
         self._state = _CLOSED
-        self._accepting = False
-        self._space.set()
-        atexit.unregister(self._at_exit)
+        self._inbox.close()
+        if self._exit_hook:
+            atexit.unregister(self._at_exit)
         self._restore_signal_handlers()
-        for r in self._runners:
-            r.worker.stop()
+        for d in self._deliveries:
+            d.worker.stop()
         st = self.stats()
         counts = {n: {"dropped": s.dropped, "failed": s.failed, "state": s.state}
                   for n, s in st.subscribers.items()
                   if s.dropped or s.failed or s.state == "hung"}
         # A `latest` subscriber drops superseded events by design: reported, not alarming.
-        alarming = st.hung or st.rejected or any(
+        alarming = st.hung or st.rejected or st.feedback_dropped or st.error or any(
             s.failed or s.state == "hung" or (s.dropped and s.policy != "latest")
             for s in st.subscribers.values()
         )
         if alarming or counts:
             log = get_logger().warning if alarming else get_logger().info
-            log(
-                "eventbus closed with losses" if alarming else "eventbus closed",
-                dropped=st.dropped, failed=st.failed, rejected=st.rejected, hung=list(st.hung),
-                subscribers=counts,
-            )
+            log("eventbus closed with losses" if alarming else "eventbus closed",
+                dropped=st.dropped, failed=st.failed, rejected=st.rejected,
+                feedback_dropped=st.feedback_dropped, hung=list(st.hung), error=st.error,
+                subscribers=counts)
 
     def _at_exit(self) -> None:
-        if self._state == _RUNNING and not self._is_child:
+        if self._state in (_NEW, _RUNNING):
             self.close()
 
     @property
@@ -543,54 +452,64 @@ class EventBus(LoopSide):
 
     @property
     def running(self) -> bool:
-        """True between `start()` and `close()`."""
-        return self._state == _RUNNING
+        """True between `start()` and `close()`, while the bus thread lives."""
+        return self._state == _RUNNING and self._loop.alive
 
     def stats(self) -> BusStats:
         """A snapshot of every counter: bus-wide and per subscriber."""
+        inbox, loop = self._inbox, self._loop
+        waiting = sum(1 for x in list(inbox.items) if isinstance(x, Event) or type(x) is Boxed)
+        error = loop.error
         return BusStats(
-            published=self._published_total(),
-            rejected=self._rejected,
-            inbox_size=len(self._inbox),
-            inbox_high_water=self._inbox_high_water,
-            blocked_s=self._blocked_ns / 1e9,
-            wakeups=self._wakeups,
-            subscribers={r.name: r.stats() for r in self._runners},
-            hung=self._hung,
-        )
-
-    def _published_total(self) -> int:
-        return self._published + self._inbox_dropped + sum(
-            1 for x in list(self._inbox) if type(x) not in CONTROL
+            published=loop.router.routed + loop.router.lost + inbox.dropped
+            + inbox.feedback_dropped + waiting,
+            rejected=inbox.rejected,
+            inbox_size=waiting,
+            inbox_high_water=inbox.high_water,
+            blocked_s=inbox.blocked_ns / 1e9,
+            wakeups=inbox.wakeups,
+            subscribers={d.name: d.stats() for d in self._deliveries},
+            hung=loop.hung,
+            feedback_dropped=inbox.feedback_dropped,
+            inbox_bytes=inbox.nbytes,
+            error=f"{type(error).__name__}: {error}" if error is not None else None,
         )
 
     # -- subscriber state (checkpoints) --------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """Each subscriber's `state_dict()`, by name, after a flush (for checkpoints)."""
+        if self._state == _FORKED:
+            raise RuntimeError("state_dict() in a forked child (a DataLoader worker?): the "
+                               "subscribers live in the parent process; call it there")
         self.flush()
-        return {r.name: r.sub.state_dict() for r in self._runners
-                if callable(getattr(r.sub, "state_dict", None))}
+        return {d.name: d.sub.state_dict() for d in self._deliveries
+                if callable(getattr(d.sub, "state_dict", None))}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Hand each subscriber its part of a `state_dict()` (by name)."""
+        if self._state == _FORKED:
+            raise RuntimeError("load_state_dict() in a forked child: call it in the parent")
         if self._state == _RUNNING:
             self.flush()
-        known = {r.name: r for r in self._runners}
+        known = {d.name: d for d in self._deliveries}
         for name, part in state.items():
-            r = known.get(name)
-            if r is None:
+            d = known.get(name)
+            if d is None:
                 raise KeyError(f"no subscriber named {name!r} on this bus; have {sorted(known)}")
-            r.sub.load_state_dict(part)
+            d.sub.load_state_dict(part)
 
     # -- signals and fork ------------------------------------------------------------
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
-            get_logger().warning("handle_signals=True ignored: start() not on the main thread")
-            return
+            return  # only the main thread may set handlers; close()/atexit still drain
         for sig in (signal.SIGTERM,):
-            self._prev_handlers[sig] = signal.signal(sig, self._on_signal)
+            prev = signal.getsignal(sig)
+            if prev is signal.SIG_IGN:
+                continue  # the process chose to ignore it: so do we
+            self._prev_handlers[sig] = prev
+            signal.signal(sig, self._on_signal)
 
     def _restore_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -609,29 +528,19 @@ class EventBus(LoopSide):
             raise SystemExit(128 + signum)
 
     def _forked(self) -> None:
-        """In a forked child (DataLoader worker): no thread, no sinks; publish is a no-op."""
-        self._is_child = True
-        self._accepting = False
-        self._inbox = deque()
+        """In a forked child (DataLoader worker): no thread, no sinks; every call returns."""
+        self._state = _FORKED
+        self._inbox.reset_after_fork()
         self._lifecycle = threading.RLock()
-        self._space = threading.Event()
-        self._loop = None
-        self._thread = None
-        self._rejected = 0
+        self._drop_lock = threading.Lock()
         self._prev_handlers.clear()
-        atexit.unregister(self._at_exit)
+        if self._exit_hook:
+            atexit.unregister(self._at_exit)
 
 
-def _event_types(spec: Any) -> tuple[type[Event], ...]:
-    if spec is None:
-        return (Event,)
-    items = (spec,) if isinstance(spec, type) else tuple(spec)
-    if not items:
-        raise ValueError("events= is empty: name at least one Event subclass, or leave it out")
-    for t in items:
-        if not (isinstance(t, type) and issubclass(t, Event)):
-            raise TypeError(
-                f"events= takes Event subclasses (e.g. events=[Loss]); got {t!r}"
-            )
-    return items
+def _positive(name: str, value: Any, kind: type) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0 or (
+        kind is int and not isinstance(value, int)
+    ):
+        raise ValueError(f"{name} must be a positive {kind.__name__}, got {value!r}")
 

@@ -43,6 +43,9 @@ class BusStats:
     wakeups: int  # times the bus thread was woken early because the inbox neared its bound
     subscribers: dict[str, SubscriberStats] = field(default_factory=dict)
     hung: tuple[str, ...] = ()  # subscribers abandoned at close because they did not return
+    feedback_dropped: int = 0  # events subscribers published into a half-full inbox (a storm)
+    inbox_bytes: int = 0  # bytes of the big events (1 KiB or more) waiting in the inbox
+    error: str | None = None  # what killed the bus thread, if it died
 
     def __getitem__(self, name: str) -> SubscriberStats:
         return self.subscribers[name]

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ThreadWorker", "in_worker"]
+__all__ = ["ThreadWorker", "in_worker", "worker_name"]
 
 _local = threading.local()
 
@@ -20,6 +20,11 @@ _local = threading.local()
 def in_worker() -> bool:
     """True on a subscriber's worker thread (where waiting for the bus could deadlock)."""
     return getattr(_local, "worker", False)
+
+
+def worker_name() -> str | None:
+    """The subscriber whose worker thread this is (None elsewhere)."""
+    return getattr(_local, "name", None)
 
 
 def _settle(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
@@ -35,6 +40,7 @@ class ThreadWorker:
     """Runs calls one at a time in a daemon thread; `await worker.call(fn, *args)`."""
 
     def __init__(self, name: str) -> None:
+        self.name = name
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"eventbus-{name}", daemon=True)
         self._started = False
@@ -55,6 +61,7 @@ class ThreadWorker:
 
     def _run(self) -> None:
         _local.worker = True
+        _local.name = self.name
         while True:
             item = self._q.get()
             if item is None:
@@ -62,7 +69,7 @@ class ThreadWorker:
             fn, args, loop, fut = item
             try:
                 ok, value = True, fn(*args)
-            except BaseException as e:  # handed to the awaiting task, which counts it
+            except BaseException as e:  # SystemExit too: handed to the awaiting task, counted
                 ok, value = False, e
             try:
                 loop.call_soon_threadsafe(_settle, fut, ok, value)

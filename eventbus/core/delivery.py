@@ -1,0 +1,404 @@
+"""`Delivery`: the one place that calls a subscriber's code, wherever the subscriber runs.
+
+The live bus, `replay` and a process-placed subscriber's child all call subscribers through
+this class: hooks (`on_start`, `on_flush`, `on_close`), batches (`on_events`) or one event at a
+time (a plain function), failure accounting, disabling, timing and the subscriber's state.
+Async code runs on the loop; sync code on the subscriber's own worker thread. Anything the
+subscriber raises, `BaseException` included, is counted and logged; it never ends the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import inspect
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Hashable, Iterable
+from typing import Any
+
+from eventbus.core.queue import SubscriberQueue
+from eventbus.core.worker import ThreadWorker
+from eventbus.events import Event
+from eventbus.log import RateLimiter, get_logger
+from eventbus.stats import SubscriberStats
+
+__all__ = [
+    "Delivery",
+    "State",
+    "SubscriberGone",
+    "describe",
+    "event_types",
+    "takes_argument",
+    "unique_name",
+]
+
+_log_limit = RateLimiter(10.0)
+
+
+class SubscriberGone(Exception):
+    """Raised by a subscriber that can never work again (its process died): disable it now."""
+
+
+class State(enum.StrEnum):
+    """Where a subscriber is in its life; shown as a string in `bus.stats()`."""
+
+    PENDING = "pending"  # subscribed, the loop has not attached it yet
+    RUNNING = "running"
+    DISABLED = "disabled"  # failed too often (or on_start raised): events counted, not handed
+    REMOVED = "removed"  # `Subscription.remove()`: delivering what was queued, then closed
+    CLOSED = "closed"
+    HUNG = "hung"  # still inside its code at the close deadline: abandoned
+
+
+def describe(sub: Any) -> str:
+    """A readable default name: the object's `name`, its class, or the function's name."""
+    name = getattr(sub, "name", None)
+    if isinstance(name, str) and name:
+        return name
+    if inspect.isroutine(sub):  # functions, methods, builtins such as `list.append`
+        return str(getattr(sub, "__qualname__", None) or getattr(sub, "__name__", "function"))
+    return type(sub).__name__
+
+
+def event_types(spec: Any) -> tuple[type[Event], ...]:
+    """`events=` (one class, several, or None for all) as a tuple of Event subclasses."""
+    if spec is None:
+        return (Event,)
+    items = (spec,) if isinstance(spec, type) else tuple(spec)
+    if not items:
+        raise ValueError("events= is empty: name at least one Event subclass, or leave it out")
+    for t in items:
+        if not (isinstance(t, type) and issubclass(t, Event)):
+            raise TypeError(f"events= takes Event subclasses (e.g. events=[Loss]); got {t!r}")
+    return items
+
+
+def unique_name(base: str, taken: set[str]) -> str:
+    """`base`, or `base#2`, `base#3`, ...: the first not in `taken` (which it joins)."""
+    name, i = base, 2
+    while name in taken:
+        name, i = f"{base}#{i}", i + 1
+    taken.add(name)
+    return name
+
+
+def takes_argument(fn: Callable[..., Any]) -> bool:
+    """Whether a hook accepts a positional argument (`on_start(self, bus)` vs `on_start(self)`)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+               for p in params)
+
+
+def _is_async(fn: Any) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004 - an object with an async __call__
+    )
+
+
+def _own_cancellation(e: BaseException) -> bool:
+    """Whether a CancelledError is the loop cancelling us (close deadline), not the subscriber's."""
+    if not isinstance(e, asyncio.CancelledError):
+        return False
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0
+
+
+class _Marker:
+    """Done once the subscriber handled every event routed to it before the marker."""
+
+    __slots__ = ("callback", "target")
+
+    def __init__(self, target: int, callback: Callable[[], None]) -> None:
+        self.target = target
+        self.callback = callback
+
+
+class Delivery:
+    """Calls one subscriber, counting, isolating and timing it; feeds it from its queue."""
+
+    def __init__(
+        self,
+        sub: Any,
+        *,
+        name: str,
+        events: tuple[type[Event], ...] = (Event,),
+        policy: str = "block",
+        maxsize: int = 10_000,
+        max_batch: int = 512,
+        max_bytes: int = 1 << 30,
+        key: Callable[[Event], Hashable] | None = None,
+        max_consecutive_failures: int | None = 100,
+    ) -> None:
+        self.sub = sub
+        self.name = name
+        self.events = events
+        self.policy = policy
+        self.maxsize = maxsize
+        self.max_batch = max_batch
+        self.max_bytes = max_bytes
+        self.key = key
+        self.max_consecutive_failures = max_consecutive_failures
+        self.batched = hasattr(sub, "on_events")
+        self.is_async = _is_async(sub.on_events if self.batched else sub)
+        self.worker = ThreadWorker(name)
+        self.queue: SubscriberQueue | None = None  # made on the loop (anyio events live there)
+        self.state = State.PENDING
+        self.routed = 0  # events the router put in its queue (or handed over, in replay)
+        self.delivered = 0
+        self.failed = 0
+        self.inbox_dropped = 0  # bumped by publishers at a full inbox (lossy subscribers only)
+        self.lost_at_close = 0  # still in the inbox, routed nowhere, when the bus gave up
+        self.consecutive_failures = 0
+        self.last_error: str | None = None
+        self.busy_since: float | None = None
+        self.busy_with: str | None = None
+        self.latencies: deque[float] = deque(maxlen=1024)
+        self._markers: list[_Marker] = []
+
+    @property
+    def lossless(self) -> bool:
+        """Whether the router waits for room in its queue (the `block` policy)."""
+        return self.policy == "block"
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued and not inside the subscriber's code."""
+        return self.busy_since is None and (self.queue is None or not len(self.queue))
+
+    # -- the queue and its task (the live bus) --------------------------------------------
+
+    def open(self) -> SubscriberQueue:
+        """Make the queue (on the loop) and mark the subscriber running."""
+        self.queue = SubscriberQueue(self.policy, self.maxsize, max_bytes=self.max_bytes,
+                                     key=self.key)
+        if self.state is State.PENDING:
+            self.state = State.RUNNING
+        return self.queue
+
+    async def run(self) -> None:
+        """Feed the subscriber from its queue until cancelled (the loop cancels it at the end)."""
+        q = self.queue
+        assert q is not None, "open() first"
+        while True:
+            if not len(q):
+                self._check_markers()
+                await q.wait()
+                continue
+            batch = q.take(self.max_batch)
+            if self.state is State.DISABLED:  # counted, not handed over
+                q.dropped += len(batch)
+            else:
+                await self.deliver(batch)
+            self._check_markers()
+
+    def add_marker(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once everything routed to this subscriber so far was handled."""
+        m = _Marker(self.routed, callback)
+        if self._processed() >= m.target and self.busy_since is None:
+            callback()
+            return
+        self._markers.append(m)
+        if self.queue is not None:
+            self.queue.poke()
+
+    def _processed(self) -> int:
+        dropped = self.queue.dropped if self.queue is not None else 0
+        return self.delivered + self.failed + dropped
+
+    def _check_markers(self) -> None:
+        done = self._processed()
+        while self._markers and self._markers[0].target <= done:
+            self._markers.pop(0).callback()
+
+    def abandon(self) -> int:
+        """The bus gives up on it: drop what is queued (counted lost); returns how many."""
+        n = 0
+        if self.queue is not None:
+            n = self.queue.discard()  # routed, then dropped: counted in the queue's `dropped`
+            self.queue.close()
+        if self.busy_since is not None:
+            self.state = State.HUNG
+        self.worker.stop()
+        for m in self._markers:  # a flush waiting on it must not wait forever
+            m.callback()
+        self._markers.clear()
+        return n
+
+    # -- calling the subscriber -------------------------------------------------------------
+
+    async def deliver(self, batch: list[Event]) -> BaseException | None:
+        """Hand a batch over (or each event, to a plain function); returns the first failure."""
+        first_ts = batch[0].ts
+        if first_ts is not None:
+            self.latencies.append((time.time_ns() - first_ts) / 1e6)
+        self._busy(type(batch[0]).__name__)
+        try:
+            if self.batched:
+                return await self._call_batch(batch)
+            return await self._call_each(batch)
+        finally:
+            self.busy_since = self.busy_with = None
+
+    async def _call_batch(self, batch: list[Event]) -> BaseException | None:
+        try:
+            await self._call(self.sub.on_events, batch)
+        except BaseException as e:
+            if _own_cancellation(e):
+                raise
+            self._failed(e, batch[0], len(batch))
+            return e
+        self._ok(len(batch))
+        return None
+
+    async def _call_each(self, batch: list[Event]) -> BaseException | None:
+        first: BaseException | None = None
+        if self.is_async:
+            results: list[tuple[Event, BaseException | None]] = []
+            for ev in batch:
+                self.busy_with = type(ev).__name__
+                try:
+                    await self._call_async(self.sub, ev)
+                except BaseException as e:
+                    if _own_cancellation(e):
+                        raise
+                    results.append((ev, e))
+                else:
+                    results.append((ev, None))
+        else:
+            results = await self.worker.call(_call_each, self.sub, batch)
+        for ev, result in results:
+            outcome = result
+            if isinstance(result, Awaitable):  # `lambda ev: coro(ev)`: run what it returned
+                try:
+                    await self._call_async(_awaited, result)
+                except BaseException as e:
+                    if _own_cancellation(e):
+                        raise
+                    outcome = e
+                else:
+                    outcome = None
+            if outcome is None:
+                self._ok(1)
+            else:
+                self._failed(outcome, ev, 1)
+                first = first or outcome
+        return first
+
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run subscriber code: async on the loop, sync on the worker; await what it returns."""
+        if _is_async(fn):
+            return await self._call_async(fn, *args)
+        result = await self.worker.call(fn, *args)
+        if inspect.isawaitable(result):  # a sync function that returned a coroutine
+            return await self._call_async(_awaited, result)
+        return result
+
+    async def _call_async(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """The frame the loop's watchdog looks for when the loop is blocked: it names us."""
+        return await fn(*args)
+
+    async def call_hook(self, hook: str, *args: Any) -> bool:
+        """Call an optional hook (on_start, on_flush, on_close); False if it raised."""
+        fn = getattr(self.sub, hook, None) if self.batched else None
+        if fn is None or not callable(fn):
+            return True
+        if args and not takes_argument(fn):
+            args = ()  # `on_start(self)` without the bus is fine too
+        self._busy(hook)
+        try:
+            await self._call(fn, *args)
+        except BaseException as e:
+            if _own_cancellation(e):
+                raise
+            self.last_error = f"{type(e).__name__}: {e}"
+            get_logger().warning("subscriber hook failed", subscriber=self.name, hook=hook,
+                                 error=self.last_error, exc_info=e)
+            if isinstance(e, SubscriberGone):
+                self.disable(self.last_error)
+            return False
+        finally:
+            self.busy_since = self.busy_with = None
+        return True
+
+    def _busy(self, what: str) -> None:
+        self.busy_since = time.monotonic()
+        self.busy_with = what
+
+    # -- accounting -------------------------------------------------------------------------
+
+    def _ok(self, n: int) -> None:
+        self.delivered += n
+        self.consecutive_failures = 0
+
+    def _failed(self, exc: BaseException, ev: Event, n: int) -> None:
+        self.failed += n
+        self.consecutive_failures += 1
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        ok, held = _log_limit.allow((self.name, type(exc)))
+        if ok:
+            get_logger().warning(
+                "subscriber failed", subscriber=self.name, event_type=type(ev).__name__,
+                step=ev.step, error=self.last_error, suppressed_since_last=held,
+                failed_total=self.failed, exc_info=exc,
+            )
+        limit = self.max_consecutive_failures
+        gone = isinstance(exc, SubscriberGone)
+        too_many = limit is not None and self.consecutive_failures >= limit
+        if (gone or too_many) and self.state is State.RUNNING:
+            self.disable(self.last_error if gone
+                         else f"{limit} consecutive failures; last: {self.last_error}")
+
+    def disable(self, why: str) -> None:
+        """Stop calling the subscriber; what reaches it from now on is counted as dropped."""
+        self.state = State.DISABLED
+        if self.queue is not None:
+            if self.queue.policy == "block":
+                self.queue.policy = "drop_newest"  # never hold the router up for it again
+            self.queue.discard()
+        get_logger().error("subscriber disabled", subscriber=self.name, reason=why)
+
+    def stats(self) -> SubscriberStats:
+        """This subscriber's counters as `bus.stats()` shows them."""
+        q = self.queue.statistics() if self.queue is not None else None
+        lat = sorted(self.latencies)
+        return SubscriberStats(
+            name=self.name,
+            policy=self.policy,
+            state=str(self.state),
+            published=self.routed + self.inbox_dropped + self.lost_at_close,
+            delivered=self.delivered,
+            dropped=(q.dropped if q else 0) + self.inbox_dropped + self.lost_at_close,
+            failed=self.failed,
+            queued=q.queued if q else 0,
+            queue_high_water=q.high_water if q else 0,
+            latency_p50_ms=lat[len(lat) // 2] if lat else None,
+            latency_p99_ms=lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None,
+            latency_max_ms=lat[-1] if lat else None,
+            error=self.last_error,
+        )
+
+
+async def _awaited(aw: Awaitable[Any]) -> Any:
+    return await aw
+
+
+def _call_each(
+    fn: Callable[[Event], Any], batch: Iterable[Event]
+) -> list[tuple[Event, Any]]:
+    """Worker side of a plain sync function: one call per event, failures kept apart.
+
+    Each entry is (event, None), (event, the exception) or (event, an awaitable it returned).
+    """
+    out: list[tuple[Event, Any]] = []
+    for ev in batch:
+        try:
+            r = fn(ev)
+        except BaseException as e:  # SystemExit and KeyboardInterrupt too: counted, isolated
+            out.append((ev, e))
+        else:
+            out.append((ev, r if inspect.isawaitable(r) else None))
+    return out

@@ -1,0 +1,292 @@
+"""`Inbox`: the thread-safe entry between publishers and the bus loop.
+
+A deque (appends and pops are atomic in CPython) bounded in events and in bytes. `put` is the
+publisher's whole cost: a length check and an append; it never wakes the loop unless the inbox
+nears its bound. When full, a publisher on the training side waits (a lossless subscriber is
+attached: backpressure, by choice) or drops and counts; a publisher on the bus side (a
+subscriber publishing) never waits, and may fill at most half the inbox, so a subscriber that
+publishes in a loop (a feedback storm) cannot freeze training or grow memory: the excess is
+dropped, counted and reported. Control items (attach, detach, flush) travel in the same deque,
+so they take effect in order with the events around them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any
+
+from eventbus.core.worker import in_worker, worker_name
+from eventbus.events import Event
+from eventbus.log import RateLimiter, get_logger
+
+if TYPE_CHECKING:
+    from eventbus.core.delivery import Delivery
+
+__all__ = ["CONTROL", "Attach", "Boxed", "Detach", "Flush", "Inbox", "InboxMode", "publisher"]
+
+# The subscriber whose task is running (set by the loop in each delivery's task context).
+publisher: ContextVar[str | None] = ContextVar("eventbus_publisher", default=None)
+
+_storm_log = RateLimiter(10.0)
+
+BIG = 1024  # events of at least this many bytes are counted against the byte bound
+
+
+class Boxed:
+    """An inbox entry for an event that is big (its bytes are counted) or holds tensors still
+    being copied to the host (`captured`)."""
+
+    __slots__ = ("captured", "ev", "nbytes")
+
+    def __init__(self, ev: Event, nbytes: int, captured: bool) -> None:
+        self.ev = ev
+        self.nbytes = nbytes
+        self.captured = captured
+
+
+class Attach:
+    """A subscribe(): takes effect in order with the events around it."""
+
+    __slots__ = ("delivery",)
+
+    def __init__(self, delivery: Delivery) -> None:
+        self.delivery = delivery
+
+
+class Detach:
+    """A Subscription.remove(): no later event is routed to it; queued ones still are."""
+
+    __slots__ = ("delivery",)
+
+    def __init__(self, delivery: Delivery) -> None:
+        self.delivery = delivery
+
+
+class Flush:
+    """Done when every subscriber handled what was published before it."""
+
+    __slots__ = ("done", "flush_hooks", "remaining")
+
+    def __init__(self, *, flush_hooks: bool = True) -> None:
+        self.done = threading.Event()
+        self.remaining = 0
+        self.flush_hooks = flush_hooks
+
+    def one_done(self) -> None:
+        self.remaining -= 1
+        if self.remaining <= 0:
+            self.done.set()
+
+
+CONTROL = (Attach, Detach, Flush)
+
+
+class InboxMode:
+    """What `put` does: buffer before start, deliver while live, refuse once closed."""
+
+    NEW, LIVE, CLOSED = "new", "live", "closed"
+
+
+class Inbox:
+    """The publishers' side of the bus: bounded, thread-safe, never blocks the bus side."""
+
+    def __init__(
+        self,
+        maxsize: int,
+        max_bytes: int,
+        *,
+        waits: Callable[[], bool],
+        drop: Callable[[Event], None],
+        loop_thread: Callable[[], int | None],
+    ) -> None:
+        self.maxsize = maxsize
+        self.max_bytes = max_bytes
+        self.mode = InboxMode.NEW
+        self.items: deque[Any] = deque()
+        self.nbytes = 0  # bytes of the big events waiting (see BIG)
+        self.high_water = 0
+        self.blocked_ns = 0  # publishers' time waiting for room (backpressure)
+        self.wakeups = 0
+        self.dropped = 0  # events dropped at a full inbox (only lossy subscribers attached)
+        self.feedback_dropped = 0  # events subscribers published into a half-full inbox
+        self.rejected = 0  # events published after close (or in a forked child)
+        self._wake_at = max(1, maxsize // 2)
+        self._waits = waits  # whether a lossless subscriber is attached
+        self._drop = drop  # count a dropped event for its subscribers
+        self._loop_thread = loop_thread
+        self._lock = threading.Lock()  # the byte counter and drop counters
+        self._space = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_loop_wake: Callable[[], None] | None = None
+        self._wake_pending = False
+        self._forked = False
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    # -- publishers ---------------------------------------------------------------------
+
+    def put(self, item: Any) -> None:
+        """Queue an event (or a `Boxed` one); waits only for a lossless subscriber's room."""
+        items = self.items
+        if (len(items) >= self._wake_at or self.mode != InboxMode.LIVE) and not self._admit(item):
+            return
+        items.append(item)
+
+    def put_boxed(self, box: Boxed) -> None:
+        """Queue a big or captured event: its bytes count against `max_bytes`."""
+        if box.nbytes:
+            if self.nbytes + box.nbytes > self.max_bytes and self.items:
+                self._wake()
+                if not self._admit(box, full=True):
+                    return
+            with self._lock:
+                self.nbytes += box.nbytes
+        self.put(box)
+
+    def put_control(self, item: Any) -> None:
+        """Queue a control item (never refused, never waits) and wake the loop."""
+        self.items.append(item)
+        self._wake()
+
+    def full(self) -> bool:
+        """At its bound in events or in bytes."""
+        return len(self.items) >= self.maxsize or self.nbytes >= self.max_bytes
+
+    def on_bus_side(self) -> bool:
+        """On the loop thread or a subscriber's worker: waiting for the bus there deadlocks."""
+        return threading.get_ident() == self._loop_thread() or in_worker()
+
+    def _admit(self, item: Any, *, full: bool = False) -> bool:  # noqa: PLR0911
+        """The slow path: not live, near the bound, or full. False: `item` is not queued."""
+        mode = self.mode
+        if mode == InboxMode.CLOSED:
+            self._reject(item)
+            return False
+        full = full or self.full()
+        if mode == InboxMode.NEW:
+            waiting = sum(1 for x in self.items if type(x) not in CONTROL) if full else 0
+            if waiting >= self.maxsize:
+                raise RuntimeError(
+                    f"{waiting} events published but the bus was never started: "
+                    "call bus.start() or use `with bus:` before publishing this many"
+                )
+            return True
+        self._wake()
+        if self.on_bus_side():
+            if len(self.items) < self._wake_at and not full:
+                return True
+            self._storm(item)  # a subscriber publishing into a half-full inbox
+            return False
+        if not full:
+            return True
+        if self._waits():
+            t0 = time.perf_counter_ns()
+            while self.full() and self.mode == InboxMode.LIVE and self._waits():
+                self._space.clear()
+                self._wake()
+                self._space.wait(0.01)
+            self.blocked_ns += time.perf_counter_ns() - t0
+            if self.mode == InboxMode.CLOSED:  # the loop died or closed while we waited
+                self._reject(item)
+                return False
+            return True
+        with self._lock:  # only lossy subscribers: drop rather than wait, counted for each
+            self.dropped += 1
+        self._drop(_event_of(item))
+        return False
+
+    def _reject(self, item: Any) -> None:
+        with self._lock:
+            self.rejected += 1
+            first = self.rejected == 1
+        if first and not self._forked:
+            ev = _event_of(item)
+            get_logger().warning("event published after the bus closed; it is not delivered",
+                                 event_type=type(ev).__name__, step=ev.step)
+
+    def _storm(self, item: Any) -> None:
+        with self._lock:
+            self.feedback_dropped += 1
+        self._drop(_event_of(item))
+        who = worker_name() or publisher.get()
+        ok, held = _storm_log.allow(("storm", who))
+        if ok:
+            get_logger().error(
+                "feedback storm: a subscriber publishes faster than the bus delivers; events "
+                "published from the bus side into a half-full inbox are dropped",
+                subscriber=who, event_type=type(_event_of(item)).__name__,
+                feedback_dropped=self.feedback_dropped, suppressed_since_last=held,
+            )
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def bind(self, loop: asyncio.AbstractEventLoop, on_wake: Callable[[], None]) -> None:
+        """Called on the loop: `wake` makes the loop call `on_wake` there."""
+        self._loop, self._on_loop_wake = loop, on_wake
+
+    def _wake(self) -> None:
+        loop = self._loop
+        if loop is None or self._wake_pending:
+            return
+        self._wake_pending = True
+        self.wakeups += 1
+        try:
+            loop.call_soon_threadsafe(self._on_wake)
+        except RuntimeError:  # the loop already closed
+            self._wake_pending = False
+
+    def wake(self) -> None:
+        """Wake the loop now (a flush, a close, a subscribe)."""
+        self._wake_pending = False
+        self._wake()
+
+    def _on_wake(self) -> None:
+        self._wake_pending = False
+        if self._on_loop_wake is not None:
+            self._on_loop_wake()
+
+    def take(self, n: int) -> list[Any]:
+        """Up to `n` items, oldest first (the loop's side)."""
+        items = self.items
+        k = len(items)
+        if k > self.high_water:
+            self.high_water = k
+        popleft = items.popleft
+        return [popleft() for _ in range(min(k, n))]
+
+    def unbox(self, box: Boxed) -> None:
+        """A boxed event left the inbox: its bytes no longer count."""
+        if box.nbytes:
+            with self._lock:
+                self.nbytes -= box.nbytes
+
+    def space(self) -> None:
+        """Tell waiting publishers to look again (the loop drained, or ended)."""
+        self._space.set()
+
+    def close(self) -> None:
+        """Refuse from now on; publishers waiting for room return (and count their event)."""
+        self.mode = InboxMode.CLOSED
+        self._space.set()
+
+    def reset_after_fork(self) -> None:
+        """In a forked child: nothing from the parent's inbox, and every call returns at once."""
+        self.items = deque()
+        self.nbytes = 0
+        self.rejected = 0
+        self._lock = threading.Lock()
+        self._space = threading.Event()
+        self._loop = None
+        self._on_loop_wake = None
+        self.mode = InboxMode.CLOSED
+        self._forked = True
+
+
+def _event_of(item: Any) -> Event:
+    return item.ev if type(item) is Boxed else item

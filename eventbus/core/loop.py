@@ -1,0 +1,247 @@
+"""`BusLoop`: the bus thread, its anyio loop, and shutdown with deadlines.
+
+The loop routes the inbox on a timer (or when woken), runs one task per subscriber, and at
+close gives each subscriber, newest first, a fair share of the time left to drain its queue and
+run `on_close`; what one publishes while closing still reaches the older ones. A subscriber
+that does not finish in its share is named hung and abandoned (what it had queued is counted
+lost); the others still drain and close. When the loop itself is blocked (sync code inside
+`async def`), `culprit()` reads the loop thread's stack to name the subscriber responsible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import sys
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import anyio
+from anyio.abc import TaskGroup
+
+from eventbus.core.delivery import Delivery, State
+from eventbus.core.handle import BusHandle
+from eventbus.core.inbox import Inbox, publisher
+from eventbus.core.router import Router
+from eventbus.log import get_logger
+
+__all__ = ["BusLoop"]
+
+_TICK = 0.001  # how often shutdown looks whether a subscriber is idle
+
+
+class BusLoop:
+    """Owns the bus thread: routing while running, then the ordered, bounded shutdown."""
+
+    def __init__(self, inbox: Inbox, handle: BusHandle, *, name: str, interval: float) -> None:
+        self.inbox = inbox
+        self.handle = handle
+        self.name = name
+        self.interval = interval
+        self.router = Router(inbox, start=self._start, retire=self._retire, spawn=self._spawn,
+                             poll_max=interval)
+        self.thread: threading.Thread | None = None
+        self.thread_id: int | None = None
+        self.error: BaseException | None = None  # what ended the loop, if not a close
+        self.hung: tuple[str, ...] = ()
+        self._ready = threading.Event()
+        self._done = threading.Event()
+        self._closing = False
+        self._deadline = math.inf
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tg: TaskGroup | None = None
+        self._wake_evt: anyio.Event | None = None
+        self._shutdown_scope: anyio.CancelScope | None = None
+        self._retiring: set[Delivery] = set()
+
+    # -- the caller's side --------------------------------------------------------------
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Start the thread; return once the loop runs."""
+        self.thread = threading.Thread(target=self._thread_main, name=self.name, daemon=True)
+        self.thread.start()
+        if not self._ready.wait(timeout):
+            raise RuntimeError(f"the eventbus thread did not start within {timeout} s")
+        if self.error is not None:
+            raise RuntimeError("the eventbus thread failed to start") from self.error
+
+    @property
+    def alive(self) -> bool:
+        """Started and not finished."""
+        return self.thread is not None and not self._done.is_set()
+
+    def close(self, deadline: float) -> None:
+        """Begin the shutdown; everything must be done by `deadline` (time.monotonic)."""
+        self._deadline = deadline
+        self._closing = True
+        self.inbox.wake()
+
+    def give_up(self) -> None:
+        """Stop waiting for anyone now: count what is left as lost (a second Ctrl-C)."""
+        self._deadline = time.monotonic()
+        self._closing = True
+        loop, scope = self._loop, self._shutdown_scope
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop already ended
+                loop.call_soon_threadsafe(scope.cancel if scope is not None else _noop)
+        self.inbox.wake()
+
+    def wait(self, timeout: float | None) -> bool:
+        """Wait for the thread to finish; False on timeout. Not `Thread.join`: on CPython 3.11
+        an interrupted join marks a running thread as stopped."""
+        return self._done.wait(timeout)
+
+    def culprit(self) -> Delivery | None:
+        """The subscriber whose async code the loop thread is executing now (when blocked)."""
+        frame = sys._current_frames().get(self.thread_id or -1)
+        code = Delivery._call_async.__code__
+        while frame is not None:
+            if frame.f_code is code:
+                d = frame.f_locals.get("self")
+                return d if isinstance(d, Delivery) else None
+            frame = frame.f_back
+        return None
+
+    # -- the loop thread ----------------------------------------------------------------
+
+    def _thread_main(self) -> None:
+        self.thread_id = threading.get_ident()
+        try:
+            anyio.run(self._main, backend="asyncio")
+        except BaseException as e:  # never silently: reported here, in stats and at close
+            self.error = e
+            get_logger().error("eventbus thread crashed; publishing no longer blocks and what "
+                               "it held is counted lost", exc_info=e)
+            self._count_losses()
+        finally:
+            self.inbox.close()  # publishers never wait on a loop that is gone
+            self._ready.set()
+            self._done.set()
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._wake_evt = anyio.Event()
+        self.inbox.bind(self._loop, self._on_wake)
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            self._ready.set()
+            await self._route_until_closing()
+            await self._shutdown()
+            tg.cancel_scope.cancel()
+
+    def _on_wake(self) -> None:
+        if self._wake_evt is not None:
+            self._wake_evt.set()
+
+    async def _route_until_closing(self) -> None:
+        while not self._closing:
+            await self.router.drain()
+            if len(self.inbox):
+                await anyio.sleep(0)  # more arrived while routing: let subscribers run first
+                continue
+            evt = self._wake_evt
+            assert evt is not None
+            if not evt.is_set():
+                with anyio.move_on_after(self.interval):
+                    await evt.wait()
+            if evt.is_set():
+                self._wake_evt = anyio.Event()
+
+    def _spawn(self, fn: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        assert self._tg is not None
+        self._tg.start_soon(fn)
+
+    def _start(self, d: Delivery) -> None:
+        assert self._tg is not None
+        self._tg.start_soon(self._run, d, name=f"eventbus:{d.name}")
+
+    async def _run(self, d: Delivery) -> None:
+        publisher.set(d.name)  # this task's context: names it if it floods the inbox
+        if not await d.call_hook("on_start", self.handle) and d.state is State.RUNNING:
+            d.disable("on_start raised")
+            self.router.refresh()
+        await d.run()
+
+    def _retire(self, d: Delivery) -> None:
+        """A removed subscriber: deliver what was queued, then `on_close`, in its own task."""
+        self._retiring.add(d)
+
+        async def retire() -> None:
+            publisher.set(d.name)
+            try:
+                await self._close_one(d, self._deadline if self._closing else math.inf)
+            finally:
+                self._retiring.discard(d)
+
+        self._spawn(retire)
+
+    # -- shutdown -----------------------------------------------------------------------
+
+    async def _shutdown(self) -> None:
+        """Close subscribers newest first, each within a fair share of the time left."""
+        assert self._tg is not None
+        routing = anyio.CancelScope()
+        self._tg.start_soon(self._route_while_closing, routing)
+        with anyio.CancelScope() as self._shutdown_scope:
+            closed: set[Delivery] = set()
+            while True:
+                await self.router.drain(force=True)  # attaches late subscribers too
+                todo = [d for d in self.router.deliveries if d not in closed]
+                if not todo:
+                    break
+                d = todo[-1]
+                closed.add(d)
+                share = (self._deadline - time.monotonic()) / (len(todo) + len(self._retiring))
+                publisher.set(d.name)
+                await self._close_one(d, time.monotonic() + max(0.0, share))
+            while self._retiring and time.monotonic() < self._deadline:
+                await anyio.sleep(_TICK)
+        for d in tuple(self._retiring):
+            self._hang(d)
+        routing.cancel()
+        self._count_losses()
+
+    async def _route_while_closing(self, scope: anyio.CancelScope) -> None:
+        with scope:
+            while True:
+                await self.router.drain(force=True)
+                await anyio.sleep(_TICK)
+
+    async def _close_one(self, d: Delivery, deadline: float) -> None:
+        """Drain `d`, then its `on_close`, by `deadline`; else name it hung and abandon it."""
+        with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
+            while len(self.inbox) or not d.idle:
+                await anyio.sleep(_TICK)
+            await d.call_hook("on_close")
+            d.state = State.CLOSED
+            if d.queue is not None:
+                d.queue.close()
+            d.worker.stop()
+            self.router.refresh()  # nothing is routed to it any more
+            return
+        self._hang(d)
+        self.router.refresh()
+
+    def _hang(self, d: Delivery) -> None:
+        lost = d.abandon()
+        d.state = State.HUNG
+        self.hung += (d.name,)
+        get_logger().error(
+            "subscriber did not finish before its close deadline and was abandoned",
+            subscriber=d.name, busy_with=d.busy_with, queued_lost=lost,
+        )
+
+    def _count_losses(self) -> None:
+        """What the inbox and the queues still hold will not be delivered: count it."""
+        self.router.remaining()
+        for d in self.router.deliveries + tuple(self._retiring):
+            if d.state not in (State.CLOSED, State.HUNG):
+                d.abandon()
+
+
+def _noop() -> None:
+    return None
+

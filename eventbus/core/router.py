@@ -1,0 +1,169 @@
+"""`Router`: drains the inbox into each subscriber's queue, by event type, on the bus loop.
+
+It owns the route table and the set of attached subscribers, and changes them only on the
+loop thread, in order with the events around each attach or detach. Publishers read two
+things from another thread: `lossless` (an int) and `deliveries` (a tuple, replaced whole).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import anyio
+
+from eventbus.capture import pending_of, resolve
+from eventbus.core.delivery import Delivery, State
+from eventbus.core.inbox import Attach, Boxed, Detach, Flush, Inbox
+from eventbus.events import Event
+
+__all__ = ["Router"]
+
+
+class Router:
+    """Type -> subscriber queues; the one writer of the route table and the lossless count."""
+
+    def __init__(
+        self,
+        inbox: Inbox,
+        *,
+        start: Callable[[Delivery], None],
+        retire: Callable[[Delivery], None],
+        spawn: Callable[[Callable[[], Coroutine[Any, Any, None]]], None],
+        poll_max: float,
+    ) -> None:
+        self.inbox = inbox
+        self.deliveries: tuple[Delivery, ...] = ()  # attached and not removed
+        self.lossless = 0  # attached subscribers with the `block` policy
+        self.routed = 0  # events taken from the inbox and routed
+        self.lost = 0  # events still in the inbox when the loop gave up: routed nowhere
+        self._routes: dict[type, tuple[Delivery, ...]] = {}
+        self._start = start
+        self._retire = retire
+        self._spawn = spawn
+        self._poll_max = poll_max
+
+    def targets(self, cls: type, *, cache: bool = True) -> tuple[Delivery, ...]:
+        """The subscribers that take `cls` (a base class receives subclasses), cached by type.
+
+        Publishers call it with `cache=False` (counting a drop): only the loop writes the cache.
+        """
+        t = self._routes.get(cls)
+        if t is None:
+            t = tuple(d for d in self.deliveries if issubclass(cls, d.events))
+            if cache:
+                self._routes[cls] = t
+        return t
+
+    async def drain(self, chunk: int = 4096, *, force: bool = False) -> None:
+        """Route, in order, what the inbox holds now (at most `chunk` items).
+
+        `force`: never wait for room in a lossless queue (shutdown: nobody may hold it up).
+        """
+        inbox = self.inbox
+        routes = self._routes
+        for entry in inbox.take(chunk):
+            item, cls, nbytes = entry, type(entry), 0
+            if cls is Boxed:
+                inbox.unbox(entry)
+                nbytes = entry.nbytes
+                if entry.captured:
+                    await self._resolve(entry.ev)
+                item = entry.ev
+                cls = type(item)
+            elif cls is Attach or cls is Detach or cls is Flush:
+                await self._control(item)
+                continue
+            self.routed += 1
+            targets = routes.get(cls)
+            if targets is None:
+                targets = self.targets(cls)
+            for i, d in enumerate(targets):
+                q = d.queue
+                assert q is not None
+                if not q.put_nowait(item, nbytes, force=force):
+                    inbox.space()  # room in the inbox while this queue is full
+                    try:
+                        await q.put(item, nbytes)
+                    except anyio.get_cancelled_exc_class():  # the loop gave up (deadline)
+                        for lost in targets[i:]:
+                            lost.lost_at_close += 1
+                        raise
+                d.routed += 1
+        inbox.space()  # publishers waiting on a full inbox look again
+
+    async def _resolve(self, ev: Event) -> None:
+        """Wait (polling, never blocking the loop) for its device->host copies, then read them."""
+        delay = 0.0001
+        for p in pending_of(ev):
+            while not p.ready():  # a copy still in flight
+                await anyio.sleep(delay)  # backing off: each wake takes the GIL
+                delay = min(delay * 2, self._poll_max)
+        resolve(ev)
+
+    async def _control(self, item: Any) -> None:
+        if type(item) is Attach:
+            d = item.delivery
+            if d.state is not State.PENDING:  # removed before the loop attached it
+                return
+            d.open()
+            self._set((*self.deliveries, d))
+            self._start(d)
+        elif type(item) is Detach:
+            d = item.delivery
+            if d not in self.deliveries:
+                return
+            d.state = State.REMOVED
+            self._set(tuple(x for x in self.deliveries if x is not d))
+            self._retire(d)
+        else:
+            self.flush(item)
+
+    def _set(self, deliveries: tuple[Delivery, ...]) -> None:
+        self.deliveries = deliveries
+        self.lossless = sum(1 for d in deliveries if d.lossless and d.state is State.RUNNING)
+        self._routes.clear()
+
+    def refresh(self) -> None:
+        """A subscriber changed state (disabled, closed): recount and re-route."""
+        self._set(tuple(d for d in self.deliveries if d.state in (State.RUNNING,
+                                                                   State.DISABLED)))
+
+    def flush(self, marker: Flush) -> None:
+        """Complete `marker` once every attached subscriber handled what came before it."""
+        live = self.deliveries
+        marker.remaining = len(live) + 1
+        for d in live:
+            if marker.flush_hooks:
+                d.add_marker(self._then_flush(d, marker))
+            else:
+                d.add_marker(marker.one_done)
+        marker.one_done()
+
+    def _then_flush(self, d: Delivery, marker: Flush) -> Callable[[], None]:
+        def drained() -> None:  # called from its run task: the hook gets a task of its own
+            self._spawn(lambda: self._flushed(d, marker))
+        return drained
+
+    async def _flushed(self, d: Delivery, marker: Flush) -> None:
+        try:
+            if d.state is State.RUNNING:
+                await d.call_hook("on_flush")
+        finally:
+            marker.one_done()
+
+    def remaining(self) -> list[Any]:
+        """What is still in the inbox (shutdown gave up): count it lost for its subscribers."""
+        lost = self.inbox.take(len(self.inbox))
+        for entry in lost:
+            item = entry
+            if type(entry) is Boxed:
+                self.inbox.unbox(entry)
+                item = entry.ev
+            if isinstance(item, Event):
+                self.lost += 1
+                for d in self.targets(type(item), cache=False):
+                    d.lost_at_close += 1
+            elif type(item) is Flush:
+                item.done.set()  # nobody will handle it: its waiter must not wait forever
+        return lost

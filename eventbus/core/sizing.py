@@ -1,0 +1,71 @@
+"""How many bytes an event holds, estimated cheaply, for the inbox's and queues' byte bounds.
+
+Only values that can be big are measured: strings, bytes, tensors and containers (walked up
+to a budget, then extrapolated). Reading a tensor's size is host metadata: no device sync.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Any
+
+from eventbus.capture import capturable_fields
+from eventbus.events import Event
+
+__all__ = ["NUMBERS", "checked_fields", "sizeof_event"]
+
+NUMBERS: frozenset[type] = frozenset((int, float, bool, type(None)))
+_BASE = 64  # an event object's own bytes, roughly
+_WALK = 256  # items of a container measured before extrapolating
+_DEPTH = 16
+
+_CHECKED: dict[type, tuple[str, ...]] = {}
+
+
+def checked_fields(cls: type[Event]) -> tuple[str, ...]:
+    """The fields `publish` looks at: those that may hold tensors, containers or text."""
+    names = _CHECKED.get(cls)
+    if names is None:
+        try:
+            hints = typing.get_type_hints(cls)
+        except Exception:  # an annotation that does not resolve: look at every field
+            hints = {}
+        text = tuple(n for n, h in hints.items() if h in (str, bytes, str | None)
+                     and n not in ("step", "ts", "seq", "rank"))
+        names = _CHECKED[cls] = tuple(dict.fromkeys(capturable_fields(cls) + text))
+    return names
+
+
+def sizeof_event(ev: Event, names: tuple[str, ...]) -> int:
+    """The estimated bytes of `ev`: its object plus what its fields `names` hold."""
+    return _BASE + sum(_sizeof(getattr(ev, n), 0) for n in names)
+
+
+def _sizeof(v: Any, depth: int) -> int:  # noqa: PLR0911 - one return per kind of value
+    t = type(v)
+    if t in NUMBERS:
+        return 8
+    if t is str or t is bytes or t is bytearray:
+        return 49 + len(v)
+    if depth >= _DEPTH:
+        return 64
+    if t is dict:
+        n = len(v)
+        walked = 0
+        total = 0
+        for k, x in v.items():
+            total += _sizeof(k, depth + 1) + _sizeof(x, depth + 1)
+            walked += 1
+            if walked >= _WALK:
+                break
+        return 64 + (total * n // walked if walked else 0)
+    if t is list or t is tuple or t is set or t is frozenset:
+        n = len(v)
+        items = list(v)[:_WALK] if t in (set, frozenset) else v[:_WALK]
+        total = sum(_sizeof(x, depth + 1) for x in items)
+        return 56 + (total * n // len(items) if items else 0)
+    try:
+        nbytes = getattr(v, "nbytes", None)  # tensors, arrays: host metadata, never a sync
+    except Exception:  # a sparse or exotic tensor without a plain size
+        return 64
+    return nbytes if type(nbytes) is int else 64
