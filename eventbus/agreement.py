@@ -25,8 +25,8 @@ import threading
 import time
 from typing import Any
 
-from eventbus._log import get_logger
 from eventbus.control import Control
+from eventbus.log import get_logger
 
 __all__ = ["StopAgreement"]
 

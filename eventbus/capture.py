@@ -24,8 +24,8 @@ import typing
 from collections import deque
 from typing import Any
 
-from eventbus._log import RateLimiter, get_logger
 from eventbus.events import Event
+from eventbus.log import RateLimiter, get_logger
 
 __all__ = [
     "EVENTS",

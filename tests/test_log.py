@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import structlog
 
-from eventbus._log import LOGGER_NAME, RateLimiter, get_logger
+from eventbus.log import LOGGER_NAME, RateLimiter, get_logger
 
 
 @pytest.fixture

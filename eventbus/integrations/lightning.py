@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from eventbus._globals import get_bus
+from eventbus import get_bus
 from eventbus.bus import EventBus
 from eventbus.events import (
     CheckpointLoaded,

@@ -19,7 +19,7 @@ import os
 import time
 from typing import Any
 
-from eventbus._globals import get_bus
+from eventbus import get_bus
 from eventbus.bus import EventBus
 from eventbus.events import (
     CheckpointSaved,

@@ -10,8 +10,9 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar, Literal
 
-from eventbus._log import get_logger
+from eventbus.core import BusHandle
 from eventbus.events import DivergenceDetected, EvalEnded, Event, Loss, OptimizerStepped, Scalars
+from eventbus.log import get_logger
 from eventbus.monitors._divergence_rule import Detection, DivergenceRule
 
 __all__ = ["DivergenceDetector"]
@@ -50,10 +51,11 @@ class DivergenceDetector:
         except TypeError as e:
             raise TypeError(f"DivergenceDetector: unknown option ({e})") from None
         self.detections: list[DivergenceDetected] = []
-        self.bus: Any = None
+        self.bus: BusHandle | None = None
         self._auto_step = 0
 
-    def on_start(self, bus: Any) -> None:
+    def on_start(self, bus: BusHandle) -> None:
+        """Keep the bus to publish detections on and to request a stop through."""
         self.bus = bus
 
     async def on_events(self, batch: list[Event]) -> None:

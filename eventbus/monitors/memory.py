@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from eventbus._log import get_logger
+from eventbus.core import BusHandle
 from eventbus.events import (
     BackwardEnded,
     Event,
@@ -39,6 +39,7 @@ from eventbus.events import (
     Scalars,
     StepEnded,
 )
+from eventbus.log import get_logger
 from eventbus.monitors._leak_rule import LeakRule, LeakVerdict
 from eventbus.monitors._memory_read import (
     MB,
@@ -151,7 +152,7 @@ class MemoryProfiler:
                         cooldown=leak_cooldown, warmup=leak_warmup)
             for m in ("rss_mb", "allocated_mb")
         }
-        self._bus: Any = None
+        self._bus: BusHandle | None = None
         self._cuda: CudaReader | None = None
         self._device_name: str = "cpu"
         self._lock = threading.Lock()  # training thread (OOM, snapshot) vs the worker thread
@@ -177,7 +178,7 @@ class MemoryProfiler:
 
     # -- lifecycle ---------------------------------------------------------------------
 
-    def on_start(self, bus: Any) -> None:
+    def on_start(self, bus: BusHandle) -> None:
         """Keep the bus to publish on."""
         self._bus = bus
         self._started.set()
@@ -367,7 +368,9 @@ class MemoryProfiler:
         "optimizer"). Host-side reads only (~tens of us): never syncs the device."""
         # on_start runs on the bus side just after `bus.start()` returns: wait for it once.
         # (A threading.Event read: ~50 ns once set.)
-        if not self._started.is_set() and not self._started.wait(_START_WAIT_S):
+        started = self._started.is_set() or self._started.wait(_START_WAIT_S)
+        bus = self._bus  # set before `_started`
+        if not started or bus is None:
             raise RuntimeError("MemoryProfiler.snapshot(): subscribe the profiler to a started "
                                "bus first (bus.subscribe(profiler); with bus: ...)")
         # Host-side allocator counters: no device sync (see _memory_read).
@@ -394,7 +397,7 @@ class MemoryProfiler:
                 self._train_phase_peak = max(self._train_phase_peak, peak_mb)
             ev = MemorySample(step=step, phase=phase, device=self._device_name,
                               peak_allocated_mb=peak_mb, source="training", lag_s=0.0)
-        self._bus.publish(ev)
+        bus.publish(ev)
         return ev
 
     # -- OOM snapshots -------------------------------------------------------------------
@@ -430,7 +433,7 @@ class MemoryProfiler:
                 return self._snapshots[-1]  # the OOM observer already dumped this one
             self.snapshot_dir.mkdir(parents=True, exist_ok=True)
             path = self.snapshot_dir / (
-                f"memory_snapshot_{reason}_rank{getattr(self._bus, 'rank', 0)}_"
+                f"memory_snapshot_{reason}_rank{self._bus.rank if self._bus else 0}_"
                 f"{time.strftime('%Y%m%d-%H%M%S')}_{len(self._snapshots)}.pickle")
             # Pickles the allocator's host-side records: no device sync.
             torch.cuda.memory._dump_snapshot(str(path))  # type: ignore[no-untyped-call]

@@ -11,8 +11,9 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from typing import Any, ClassVar
+from typing import ClassVar
 
+from eventbus.core import BusHandle
 from eventbus.events import Event, Scalars, StepEnded
 
 __all__ = ["SpeedMonitor"]
@@ -75,14 +76,14 @@ class SpeedMonitor:
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
         self.prefix = prefix
-        self._bus: Any = None
+        self._bus: BusHandle | None = None
         self._steps: deque[_Step] = deque(maxlen=window)
         self._prev: tuple[int, int] | None = None  # (step, ts) of the last StepEnded
         self._seen = 0
         self._last_step: int | None = None
         self._last_published: int | None = None
 
-    def on_start(self, bus: Any) -> None:
+    def on_start(self, bus: BusHandle) -> None:
         """Keep the bus to publish on."""
         self._bus = bus
 

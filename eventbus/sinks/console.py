@@ -13,9 +13,9 @@ import sys
 import time
 from typing import IO, Any, ClassVar
 
-from eventbus import Event
 from eventbus.events import (
     DivergenceDetected,
+    Event,
     Loss,
     MemoryLeakSuspected,
     RunEnded,
@@ -78,21 +78,21 @@ class ConsoleProgress:
         if not self.enabled:
             return
         for ev in batch:
-            t = type(ev)
-            if t is RunStarted:
-                self.total = ev.total_steps or self.total  # type: ignore[attr-defined]
-                self._initial = ev.resumed_from_step or 0  # type: ignore[attr-defined]
-            elif t is Loss:
-                if ev.split == "train":  # type: ignore[attr-defined]
-                    self._loss = _float(ev.value)  # type: ignore[attr-defined]
-                self._at(ev.step)
-            elif t is StepEnded:
-                self._at(ev.step)
-            elif t is RunEnded:
-                self._message(f"run {ev.status} at step {self._step}"  # type: ignore[attr-defined]
-                              + (f": {ev.reason}" if ev.reason else ""))  # type: ignore[attr-defined]
-            else:
-                self._message(describe(ev))
+            match ev:
+                case RunStarted():
+                    self.total = ev.total_steps or self.total
+                    self._initial = ev.resumed_from_step or 0
+                case Loss():
+                    if ev.split == "train":
+                        self._loss = _float(ev.value)
+                    self._at(ev.step)
+                case StepEnded():
+                    self._at(ev.step)
+                case RunEnded():
+                    self._message(f"run {ev.status} at step {self._step}"
+                                  + (f": {ev.reason}" if ev.reason else ""))
+                case _:
+                    self._message(describe(ev))
         self._show()
 
     def on_close(self) -> None:

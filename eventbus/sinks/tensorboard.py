@@ -24,12 +24,12 @@ from typing import Any, ClassVar
 
 import orjson
 
-from eventbus import Event
-from eventbus._log import get_logger
+from eventbus.core import BusHandle
 from eventbus.events import (
     CheckpointLoaded,
     DivergenceDetected,
     EvalEnded,
+    Event,
     Loss,
     MemoryLeakSuspected,
     MemorySample,
@@ -41,6 +41,7 @@ from eventbus.events import (
     StopRequested,
     TensorStats,
 )
+from eventbus.log import get_logger
 from eventbus.sinks._files import check_writable_dir
 
 __all__ = ["TensorBoardSink"]
@@ -105,7 +106,7 @@ class TensorBoardSink:
 
     # -- subscriber hooks (run in this subscriber's worker thread) ---------------------------
 
-    def on_start(self, bus: Any = None) -> None:
+    def on_start(self, bus: BusHandle | None = None) -> None:
         """Learn this process's rank (events without one are written as this rank's)."""
         if bus is not None:
             self._bus_rank = bus.rank
@@ -177,14 +178,13 @@ class TensorBoardSink:
         return w
 
     def _write(self, ev: Event, rank: int) -> None:
-        t = type(ev)
-        if t is CheckpointLoaded and ev.step is not None:
+        if isinstance(ev, CheckpointLoaded) and ev.step is not None:
             self._write_scalars()  # what came before the resume goes to the old writer
             self._resume(ev.step)
             return
-        if t is RunStarted and ev.resumed_from_step is not None:  # type: ignore[attr-defined]
+        if isinstance(ev, RunStarted) and ev.resumed_from_step is not None:
             self._write_scalars()
-            self._resume(ev.resumed_from_step)  # type: ignore[attr-defined]
+            self._resume(ev.resumed_from_step)
         step = ev.step
         if step is None:
             step = self._last_step.get(rank, 0)
@@ -193,7 +193,7 @@ class TensorBoardSink:
         wall = ev.ts / 1e9 if ev.ts is not None else None
         scalars = list(_scalars(ev, step, self._last_step_end, rank))
         texts = list(_texts(ev, step))
-        hist = _histogram(ev) if t is TensorStats else None
+        hist = _histogram(ev) if isinstance(ev, TensorStats) else None
         if not (scalars or texts or hist):
             return
         for tag, value, s in scalars:  # written together at the end of the batch
@@ -203,8 +203,8 @@ class TensorBoardSink:
         w = self._writer(rank)
         for tag, text in texts:
             w.add_text(tag, text, step, walltime=wall)
-        if hist is not None:
-            tag = f"{ev.kind}/{ev.name}" if ev.name else ev.kind  # type: ignore[attr-defined]
+        if hist is not None and isinstance(ev, TensorStats):
+            tag = f"{ev.kind}/{ev.name}" if ev.name else ev.kind
             if hist[0] == "raw":
                 w.add_histogram_raw(tag, global_step=step, walltime=wall, **hist[1])
             else:
@@ -223,30 +223,28 @@ def _num(v: Any) -> float | None:
 
 
 def _scalars(ev: Event, step: int, step_end: dict[int, int], rank: int) -> Iterator[Scalar]:
-    t = type(ev)
-    if t is Loss:
-        v = _num(ev.value)  # type: ignore[attr-defined]
-        if v is not None:
-            yield f"{ev.split}/loss", v, step  # type: ignore[attr-defined]
-    elif isinstance(ev, Scalars):
-        yield from _named(ev.values.items(), "", step)
-    elif t is OptimizerStepped:
-        yield from _named((("lr", ev.lr), ("grad_norm", ev.grad_norm)),  # type: ignore[attr-defined]
-                          "train/", step)
-    elif t is EvalEnded:
-        yield from _named(ev.metrics.items(), "eval/", step)  # type: ignore[attr-defined]
-    elif t is MemorySample:
-        yield from _named(((f, getattr(ev, f)) for f in _MEMORY_FIELDS), "memory/", step)
-    elif t is MemoryLeakSuspected:
-        yield from _named((("leak_rate_mb_per_step", ev.rate_mb_per_step),),  # type: ignore[attr-defined]
-                          "memory/", step)
-    elif t is StepEnded:
-        yield from _throughput(ev, step, step_end, rank)
-    elif t is TensorStats:
-        base = f"{ev.kind}/{ev.name}/" if ev.name else f"{ev.kind}/"  # type: ignore[attr-defined]
-        yield from _named(((f, getattr(ev, f)) for f in _TENSOR_STATS), base, step)
-    elif t is DivergenceDetected:
-        yield "divergence/marker", 1.0, step
+    match ev:
+        case Loss():
+            v = _num(ev.value)
+            if v is not None:
+                yield f"{ev.split}/loss", v, step
+        case Scalars():
+            yield from _named(ev.values.items(), "", step)
+        case OptimizerStepped():
+            yield from _named((("lr", ev.lr), ("grad_norm", ev.grad_norm)), "train/", step)
+        case EvalEnded():
+            yield from _named(ev.metrics.items(), "eval/", step)
+        case MemorySample():
+            yield from _named(((f, getattr(ev, f)) for f in _MEMORY_FIELDS), "memory/", step)
+        case MemoryLeakSuspected():
+            yield from _named((("leak_rate_mb_per_step", ev.rate_mb_per_step),), "memory/", step)
+        case StepEnded():
+            yield from _throughput(ev, step, step_end, rank)
+        case TensorStats():
+            base = f"{ev.kind}/{ev.name}/" if ev.name else f"{ev.kind}/"
+            yield from _named(((f, getattr(ev, f)) for f in _TENSOR_STATS), base, step)
+        case DivergenceDetected():
+            yield "divergence/marker", 1.0, step
 
 
 def _named(items: Iterable[tuple[str, Any]], prefix: str, step: int) -> Iterator[Scalar]:
@@ -256,7 +254,7 @@ def _named(items: Iterable[tuple[str, Any]], prefix: str, step: int) -> Iterator
             yield f"{prefix}{k}", x, step
 
 
-def _throughput(ev: Any, step: int, step_end: dict[int, int], rank: int) -> Iterator[Scalar]:
+def _throughput(ev: StepEnded, step: int, step_end: dict[int, int], rank: int) -> Iterator[Scalar]:
     dur = _num(ev.duration_s)
     prev = step_end.get(rank)
     if ev.ts is not None:
@@ -274,26 +272,25 @@ def _throughput(ev: Any, step: int, step_end: dict[int, int], rank: int) -> Iter
 
 
 def _texts(ev: Event, step: int) -> Iterator[tuple[str, str]]:
-    t = type(ev)
-    if t is RunStarted:
-        info = {"run_id": ev.run_id, "total_steps": ev.total_steps,  # type: ignore[attr-defined]
-                "world_size": ev.world_size,  # type: ignore[attr-defined]
-                "resumed_from_step": ev.resumed_from_step}  # type: ignore[attr-defined]
-        yield "run/config", _code(ev.config)  # type: ignore[attr-defined]
-        yield "run/info", _code({k: v for k, v in info.items() if v is not None})
-    elif t is DivergenceDetected:
-        yield "divergence/detected", (
-            f"**step {ev.step}**: {ev.metric} = {ev.value} "  # type: ignore[attr-defined]
-            f"(baseline {ev.baseline}): {ev.reason}")  # type: ignore[attr-defined]
-    elif t is MemoryLeakSuspected:
-        yield "memory/leak_suspected", (
-            f"**step {ev.step}**: {ev.metric} growing "  # type: ignore[attr-defined]
-            f"{ev.rate_mb_per_step:.3f} MB/step over {ev.window} steps")  # type: ignore[attr-defined]
-    elif t is StopRequested:
-        kind = "abort" if ev.abort else "stop"  # type: ignore[attr-defined]
-        yield "run/stop", f"**{kind}** at step {step} by {ev.source}: {ev.reason}"  # type: ignore[attr-defined]
-    elif t is RunEnded:
-        yield "run/ended", f"**{ev.status}** at step {step}: {ev.reason or ''}"  # type: ignore[attr-defined]
+    match ev:
+        case RunStarted():
+            info = {"run_id": ev.run_id, "total_steps": ev.total_steps,
+                    "world_size": ev.world_size, "resumed_from_step": ev.resumed_from_step}
+            yield "run/config", _code(ev.config)
+            yield "run/info", _code({k: v for k, v in info.items() if v is not None})
+        case DivergenceDetected():
+            yield "divergence/detected", (
+                f"**step {ev.step}**: {ev.metric} = {ev.value} (baseline {ev.baseline}): "
+                f"{ev.reason}")
+        case MemoryLeakSuspected():
+            yield "memory/leak_suspected", (
+                f"**step {ev.step}**: {ev.metric} growing "
+                f"{ev.rate_mb_per_step:.3f} MB/step over {ev.window} steps")
+        case StopRequested():
+            kind = "abort" if ev.abort else "stop"
+            yield "run/stop", f"**{kind}** at step {step} by {ev.source}: {ev.reason}"
+        case RunEnded():
+            yield "run/ended", f"**{ev.status}** at step {step}: {ev.reason or ''}"
 
 
 def _code(obj: Any) -> str:
@@ -305,7 +302,7 @@ def _code(obj: Any) -> str:
     return "```\n" + body + "\n```"
 
 
-def _histogram(ev: Any) -> tuple[str, Any] | None:
+def _histogram(ev: TensorStats) -> tuple[str, Any] | None:
     """("raw", add_histogram_raw kwargs) for counts + edges, ("values", x) for raw values."""
     h = ev.histogram
     if h is None:

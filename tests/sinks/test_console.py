@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import time
+from dataclasses import dataclass
 
 import pytest
 
@@ -79,6 +80,20 @@ def test_detections_and_run_end_are_printed() -> None:
     text = out.getvalue()
     assert "DivergenceDetected at step 2" in text
     assert "run stopped" in text
+
+
+@dataclass(slots=True, kw_only=True)
+class ConsoleTokenLoss(Loss):
+    tokens: int = 0
+
+
+def test_subclass_of_loss_updates_the_bar_like_loss() -> None:
+    out = io.StringIO()
+    p = ConsoleProgress(stream=out, force=True, refresh_interval=0, use_tqdm=False)
+    p.on_events([ConsoleTokenLoss(step=4, value=0.5, tokens=3)])
+    p.on_close()
+    assert "step 4  loss=0.5" in out.getvalue()
+    assert "ConsoleTokenLoss" not in out.getvalue()  # not printed as a notable event
 
 
 def test_on_a_bus_it_is_lossy_and_rank_zero_only() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,26 @@ def test_tensor_stats_histograms(tmp_path: Path) -> None:
     assert raw.max == 9.0
     assert "weights/no.hist" not in acc.Tags()["histograms"]
     assert _scalars(acc, "weights/fc.weight/norm") == [(1, 2.0)]
+
+
+@dataclass(slots=True, kw_only=True)
+class TbTokenLoss(Loss):
+    """A user's refinement of a catalogue event."""
+
+    tokens: int = 0
+
+
+@dataclass(slots=True, kw_only=True)
+class TbRunStarted(RunStarted):
+    seed: int = 0
+
+
+def test_subclasses_of_catalogue_events_are_written_like_their_base(tmp_path: Path) -> None:
+    """Dispatch is by isinstance: subscribing to a base class receives its subclasses."""
+    _run(tmp_path, [TbRunStarted(config={"seed": 3}), TbTokenLoss(step=1, value=2.0, tokens=9)])
+    acc = _read(tmp_path)
+    assert _scalars(acc, "train/loss") == [(1, 2.0)]
+    assert "run/config/text_summary" in acc.Tags()["tensors"]
 
 
 def test_divergence_as_text_and_marker_scalar(tmp_path: Path) -> None:
