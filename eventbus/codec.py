@@ -20,21 +20,15 @@ import orjson
 from eventbus.events import Event, UnknownEvent, event_type
 
 __all__ = [
-    "FORMAT_VERSION",
-    "HEADER_TYPE",
     "RECORD_PREFIX",
     "EventDecodeError",
     "EventEncodeError",
     "decode",
     "encode",
-    "header",
     "iter_lines",
-    "record",
     "to_dict",
 ]
 
-FORMAT_VERSION = 1
-HEADER_TYPE = "eventbus.header"
 RECORD_PREFIX = "eventbus."
 """Types starting with this are records about a log (header, stats, markers), not events."""
 
@@ -168,21 +162,6 @@ def _explain(ev: Event, d: dict[str, Any]) -> EventEncodeError:
                 f"({e}); use numbers, strings, lists, dicts or tensors in event fields"
             )
     return EventEncodeError(f"cannot serialise {type(ev).__name__}")
-
-
-def header(**info: Any) -> bytes:
-    """The first line of a log: format name and version plus `info` (rank, world size...)."""
-    return record(HEADER_TYPE, format="eventbus.jsonl", version=FORMAT_VERSION, **info)
-
-
-def record(type_name: str, **info: Any) -> bytes:
-    """A non-event line (`type_name` starts with "eventbus."): `decode` returns None for it."""
-    if not type_name.startswith(RECORD_PREFIX):
-        raise ValueError(f"record types start with {RECORD_PREFIX!r}; got {type_name!r}")
-    return orjson.dumps(
-        {"type": type_name, **{k: _sanitize(v) for k, v in info.items()}},
-        option=orjson.OPT_APPEND_NEWLINE,
-    )
 
 
 def _restore(v: Any) -> Any:

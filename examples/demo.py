@@ -23,6 +23,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from eventbus import EventBus
+from eventbus.cli.plot import plot
+from eventbus.cli.report import collect
+from eventbus.cli.summary import summary_lines
 from eventbus.events import (
     CheckpointSaved,
     DivergenceDetected,
@@ -32,7 +35,6 @@ from eventbus.events import (
     RunStarted,
 )
 from eventbus.monitors import DivergenceDetector, MemoryProfiler, SpeedMonitor
-from eventbus.report import collect, plot, summary_lines
 from eventbus.sinks import ConsoleProgress, JsonlWriter, TensorBoardSink
 from eventbus.torch import watch
 

@@ -7,8 +7,9 @@ import orjson
 import pytest
 
 from eventbus import Event, EventEncodeError
-from eventbus.codec import FORMAT_VERSION, EventDecodeError, decode, encode, header, iter_lines
+from eventbus.codec import EventDecodeError, decode, encode, iter_lines
 from eventbus.events import EvalEnded, Loss, Scalars, TensorStats, UnknownEvent
+from eventbus.logformat import FORMAT_VERSION, header
 
 
 def test_flat_line_format() -> None:

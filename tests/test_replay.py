@@ -23,7 +23,8 @@ from eventbus.events import (
     StopRequested,
     UnknownEvent,
 )
-from eventbus.replay import LogReadError, read_log, replay
+from eventbus.logformat import LogReadError, read_log
+from eventbus.replay import replay
 from eventbus.sinks import JsonlWriter
 from tests.conftest import Recorder
 from tests.demo_run import record_demo_run

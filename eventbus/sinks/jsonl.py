@@ -25,17 +25,13 @@ import orjson
 
 import eventbus
 from eventbus import Event, EventEncodeError
-from eventbus.codec import encode, header, record
+from eventbus.codec import encode
 from eventbus.events import CheckpointLoaded, RunStarted
 from eventbus.log import RateLimiter, get_logger
+from eventbus.logformat import SKIPPED_TYPE, STATS_TYPE, header, record
 from eventbus.sinks._files import check_writable_dir, check_writable_file
 
-__all__ = ["SKIPPED_TYPE", "STATS_TYPE", "JsonlWriteError", "JsonlWriter", "JsonlWriterStats"]
-
-STATS_TYPE = "eventbus.stats"
-"""The record appended at close: the bus's counters and this writer's own."""
-SKIPPED_TYPE = "eventbus.skipped"
-"""The marker written instead of an event that is too large or cannot be serialised."""
+__all__ = ["JsonlWriteError", "JsonlWriter", "JsonlWriterStats"]
 
 _log_limit = RateLimiter(30.0)
 _WRITERS: list[JsonlWriter] = []  # for the fork hook; a writer removes itself at close

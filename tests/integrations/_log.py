@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from eventbus import Event, EventBus
-from eventbus.replay import read_log
+from eventbus.logformat import read_log
 from eventbus.sinks import JsonlWriter
 
 

@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from eventbus import Event, EventBus
-from eventbus.codec import FORMAT_VERSION, HEADER_TYPE, decode, encode
+from eventbus.codec import decode, encode
 from eventbus.events import (
     CheckpointLoaded,
     EvalEnded,
@@ -26,6 +26,7 @@ from eventbus.events import (
     StepEnded,
     TensorStats,
 )
+from eventbus.logformat import FORMAT_VERSION, HEADER_TYPE
 from eventbus.sinks import JsonlWriteError, JsonlWriter
 from tests.conftest import Recorder
 
