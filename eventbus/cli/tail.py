@@ -165,7 +165,7 @@ class StepLines:
                 return []
             check_event(item)
             return self._event(item)
-        except LogReadError as e:
+        except (LogReadError, ValueError) as e:
             raise LogReadError(f"{self.path}:{self.lineno}: {e}") from None
         except Exception as e:  # a value no check foresaw: still name the line
             raise LogReadError(f"{self.path}:{self.lineno}: cannot show this line: "
