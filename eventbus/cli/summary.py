@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 from collections import defaultdict
@@ -33,8 +34,12 @@ def run(args: argparse.Namespace) -> int:
     if report.events == 0:
         raise no_events(files)
     if args.json:
-        print(orjson.dumps(summary_dict(report), default=str,
-                           option=orjson.OPT_NON_STR_KEYS).decode())
+        d = summary_dict(report)
+        try:
+            text = orjson.dumps(d, default=str, option=orjson.OPT_NON_STR_KEYS).decode()
+        except orjson.JSONEncodeError:  # a sum past 64 bits (absurd stats records)
+            text = json.dumps(d, default=str)
+        print(text)
     else:
         print("\n".join(summary_lines(report)))
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 from pathlib import Path
@@ -13,7 +14,7 @@ from eventbus import Event, EventBus
 from eventbus.cli import main
 from eventbus.codec import encode
 from eventbus.events import DivergenceDetected, Loss, StepEnded
-from eventbus.logformat import SKIPPED_TYPE, header, record
+from eventbus.logformat import SKIPPED_TYPE, STATS_TYPE, header, record
 from eventbus.sinks import JsonlWriter
 
 
@@ -180,3 +181,13 @@ def test_several_threads_publishing_report_no_loss(
         for t in threads:
             t.join()
     assert _losses(tmp_path, capsys) == {"seq_gaps": 0, "seq_duplicates": 0}
+
+
+def test_json_summary_of_sums_past_64_bits(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    log = tmp_path / "events.jsonl"
+    big = record(STATS_TYPE, bus={"published": 2**64 - 1})
+    log.write_bytes(encode(Loss(step=1, value=1.0)) + big + big)
+    assert main(["summary", "--json", str(log)]) == 0
+    assert json.loads(capsys.readouterr().out)["losses"]["bus"]["published"] == 2**65 - 2
