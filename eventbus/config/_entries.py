@@ -1,43 +1,11 @@
-"""Subscribers built from configuration, so torchrun workers get them without code changes.
-
-One resolver serves the environment, TOML files and the CLI's `--subscribe SPEC`:
-
-    EVENTBUS_SUBSCRIBERS="jsonl:runs/exp1; divergence:action=stop"      SPECs, ';'-separated
-    EVENTBUS_SUBSCRIBERS='[{"factory": "tensorboard", "args": ["runs/tb"], "ranks": [0]}]'
-    EVENTBUS_CONFIG=eventbus.toml        (EVENTBUS_SUBSCRIBERS=eventbus.toml works too)
-
-A SPEC is `NAME[:ARG]` or `package.module:factory[:ARG]`, where ARG is one positional value
-(`jsonl:runs/exp1`) or `key=value` pairs (`divergence:action=stop,patience=5`; values are
-JSON when they parse as JSON, else strings). A TOML file (or JSON entry) carries options too:
-
-    [bus]                                # EventBus keyword arguments (bus_from_config)
-    stop_check_every = 10
-
-    [[subscribers]]
-    factory = "mypkg.analysis:Spectrum"  # a short name or "package.module:factory"
-    args = []                            # positional arguments
-    kwargs = { bins = 64 }               # keyword arguments
-    placement = "process"                # built in the child: nothing is pickled
-    policy = "drop_oldest"
-    ranks = [0]
-    events = ["Loss", "TensorStats"]     # event type names
-    name = "spectrum"
-
-Everything is checked when the configuration is loaded: a bad entry raises `ConfigError`
-naming the entry and what to fix, before anything is subscribed.
-"""
+"""One configured subscriber: a SPEC string or a table, checked and built."""
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import json
-import math
-import os
-import tomllib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eventbus.events import Event, event_type
@@ -46,24 +14,7 @@ from eventbus.loader import SHORT_NAMES, LoadError, load_object
 if TYPE_CHECKING:
     from eventbus.bus import EventBus, Subscription
 
-__all__ = [
-    "CONFIG_ENV",
-    "SHORT_NAMES",
-    "SUBSCRIBERS_ENV",
-    "ConfigError",
-    "Configured",
-    "SubscriberConfig",
-    "bus_from_config",
-    "load_config",
-    "load_object",  # re-exported (with SHORT_NAMES) until process placement imports eventbus.loader
-    "parse_spec",
-    "subscribe_from_config",
-    "subscriber_from_spec",
-    "subscribers_from_config",
-]
-
-CONFIG_ENV = "EVENTBUS_CONFIG"
-SUBSCRIBERS_ENV = "EVENTBUS_SUBSCRIBERS"
+__all__ = ["ConfigError", "Configured", "SubscriberConfig", "parse_entry", "parse_spec"]
 
 _OPTIONS = ("policy", "ranks", "placement", "events", "maxsize", "max_batch", "name")
 _ENTRY_KEYS = ("factory", "args", "kwargs", *_OPTIONS)
@@ -276,7 +227,8 @@ def parse_spec(spec: str, *, where: str = "") -> SubscriberConfig:
     return _checked(SubscriberConfig(factory=factory, args=args, kwargs=kwargs, where=where))
 
 
-def _entry(raw: Any, where: str) -> SubscriberConfig:
+def parse_entry(raw: Any, where: str) -> SubscriberConfig:
+    """One entry of a list or document: a SPEC string or a table of `factory` and options."""
     if isinstance(raw, str):
         return parse_spec(raw, where=f"{where} ({raw.strip()!r})")
     if not isinstance(raw, Mapping):
@@ -341,209 +293,3 @@ def _checked(c: SubscriberConfig) -> SubscriberConfig:
         raise ConfigError(f"{w}: name must be a non-empty string, got {c.name!r}")
     c.check()
     return c
-
-
-def _read_toml(path: Path, where: str) -> dict[str, Any]:
-    try:
-        with path.open("rb") as f:
-            return tomllib.load(f)
-    except OSError as e:
-        raise ConfigError(f"{where}: cannot read {str(path)!r}: {e.strerror or e}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{where}: {str(path)!r} is not valid TOML: {e}") from None
-
-
-@dataclass(frozen=True)
-class _Rule:
-    """What one `[bus]` option takes, in words (`need`) and as a test (`ok`)."""
-
-    need: str
-    ok: Callable[[Any], bool]
-
-
-def _int_from(lo: int) -> Callable[[Any], bool]:
-    return lambda v: type(v) is int and v >= lo  # `type is`: True is not an int here
-
-
-def _seconds(v: Any) -> bool:
-    return type(v) in (int, float) and math.isfinite(v) and v > 0
-
-
-# The EventBus keywords a [bus] table may set, checked before anything is built. A keyword
-# EventBus takes that is missing here is passed through for EventBus to check (a test pins
-# that this table covers them all).
-_BUS_RULES: dict[str, _Rule] = {
-    "drain_interval": _Rule("> 0 seconds (a finite number)", _seconds),
-    "inbox_maxsize": _Rule("an int >= 2", _int_from(2)),
-    "close_timeout": _Rule("> 0 seconds (a finite number)", _seconds),
-    "handle_signals": _Rule("true or false", lambda v: type(v) is bool),
-    "max_consecutive_failures": _Rule("an int >= 1 (JSON null: never disable)",
-                                      lambda v: v is None or _int_from(1)(v)),
-    "rank": _Rule("an int >= 0", _int_from(0)),
-    "world_size": _Rule("an int >= 1", _int_from(1)),
-    "name": _Rule("a non-empty string", lambda v: isinstance(v, str) and bool(v)),
-    "stop_check_every": _Rule("an int >= 1", _int_from(1)),
-}
-
-
-def _bus_keywords() -> list[str]:
-    """Every keyword `EventBus` takes (its signature, so a new option is known at once)."""
-    from eventbus.bus import EventBus
-
-    params = inspect.signature(EventBus).parameters.values()
-    return sorted({p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
-                  | set(_BUS_RULES))
-
-
-def _bus_options(raw: Any, where: str) -> dict[str, Any]:
-    """A `[bus]` table, every option known, typed and in range (EventBus's own wording)."""
-    w = f"{where} [bus]"
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"{w}: must be a table of EventBus options, got {raw!r}")
-    known = _bus_keywords()
-    for key, value in raw.items():
-        if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ConfigError(
-                f"{w}: unknown option {key!r} (EventBus does not take it); {hint}"
-                f"known options: {', '.join(known)}"
-            )
-        rule = _BUS_RULES.get(key)
-        if rule is not None and not rule.ok(value):
-            raise ConfigError(f"{w}: {key} must be {rule.need}, got {value!r}")
-    rank, size = raw.get("rank"), raw.get("world_size")
-    if rank is not None and size is not None and rank >= size:
-        raise ConfigError(f"{w}: rank {rank} must be below world_size {size}")
-    return dict(raw)
-
-
-_Parsed = tuple[dict[str, Any], list[SubscriberConfig]]  # ([bus] options, subscribers)
-
-
-def _document(doc: Mapping[str, Any], where: str) -> _Parsed:
-    unknown = sorted(set(doc) - {"subscribers", "bus"})
-    if unknown:
-        raise ConfigError(
-            f"{where}: unknown top-level key(s) {', '.join(map(repr, unknown))}; "
-            "use [[subscribers]] entries and an optional [bus] table"
-        )
-    bus = _bus_options(doc.get("bus", {}), where)
-    subs = doc.get("subscribers", [])
-    if not isinstance(subs, list):
-        raise ConfigError(f"{where}: 'subscribers' must be an array of tables ([[subscribers]])")
-    return bus, [_entry(raw, f"{where} subscribers #{i}") for i, raw in enumerate(subs, 1)]
-
-
-def _toml(path: Path, where: str) -> _Parsed:
-    return _document(_read_toml(path, where), where)
-
-
-def _from_text(text: str, where: str) -> _Parsed:
-    """An environment variable's value: a TOML path, JSON, or ';'-separated SPECs."""
-    s = text.strip()
-    if not s:
-        return {}, []
-    if s.endswith(".toml") or (os.sep in s and Path(s).is_file() and "\n" not in s):
-        return _toml(Path(s), f"{where} ({s})")
-    if s[0] in "[{":
-        try:
-            data = json.loads(s)
-        except ValueError as e:
-            raise ConfigError(f"{where}: starts like JSON but does not parse: {e}") from None
-        if isinstance(data, Mapping):
-            return _document(data, where)
-        return {}, [_entry(raw, f"{where} entry {i}") for i, raw in enumerate(data, 1)]
-    specs = [p for p in s.replace("\n", ";").split(";") if p.strip()]
-    return {}, [parse_spec(p, where=f"{where} entry {i} ({p.strip()!r})")
-                for i, p in enumerate(specs, 1)]
-
-
-def _merged(*parts: tuple[str, _Parsed]) -> _Parsed:
-    """Several sources' options and subscribers; an option two sources set differently is
-    an error (which one wins would be a guess)."""
-    bus: dict[str, Any] = {}
-    seen: dict[str, str] = {}
-    subs: list[SubscriberConfig] = []
-    for where, (opts, configs) in parts:
-        for k, v in opts.items():
-            if k in bus and bus[k] != v:
-                raise ConfigError(f"{where} [bus]: {k} = {v!r} contradicts {seen[k]}'s "
-                                  f"{bus[k]!r}; set it in one place")
-            bus[k], seen[k] = v, where
-        subs += configs
-    return bus, subs
-
-
-def _environment(config: Path | None = None) -> list[tuple[str, _Parsed]]:
-    """`config` or else `EVENTBUS_CONFIG` (a TOML path), then `EVENTBUS_SUBSCRIBERS`."""
-    out = []
-    if config is not None:
-        out.append((str(config), _toml(config, str(config))))
-    elif path := os.environ.get(CONFIG_ENV, "").strip():
-        out.append((CONFIG_ENV, _toml(Path(path), f"{CONFIG_ENV} ({path})")))
-    out.append((SUBSCRIBERS_ENV, _from_text(os.environ.get(SUBSCRIBERS_ENV, ""), SUBSCRIBERS_ENV)))
-    return out
-
-
-Source = str | os.PathLike[str] | Mapping[str, Any] | Sequence[Any] | None
-
-
-def load_config(source: Source = None) -> list[SubscriberConfig]:
-    """Parse and check a configuration (its `[bus]` table too); nothing is built yet.
-
-    `source`: None (the environment: `EVENTBUS_CONFIG`, then `EVENTBUS_SUBSCRIBERS`), a TOML
-    path, a string as the environment variable takes it, a parsed document (dict with
-    `subscribers`), or a list of SPEC strings / entry dicts.
-    """
-    if source is None:
-        return _merged(*_environment())[1]
-    if isinstance(source, os.PathLike):
-        return _toml(Path(source), str(source))[1]
-    if isinstance(source, str):
-        return _from_text(source, "subscriber config")[1]
-    if isinstance(source, Mapping):
-        return _document(source, "subscriber config")[1]
-    return [_entry(raw, f"subscriber config entry {i}") for i, raw in enumerate(source, 1)]
-
-
-def _build(configs: list[SubscriberConfig], rank: int | None) -> list[Configured]:
-    built = []
-    for c in configs:
-        ranks = c.effective_ranks()
-        if rank is not None and ranks is not None and rank not in ranks:
-            continue  # not built at all here: a TensorBoard writer on rank 1 makes no files
-        built.append(Configured(c.build(), c.subscribe_options(), c))
-    return built
-
-
-def subscribers_from_config(source: Source = None, *, rank: int | None = None) -> list[Configured]:
-    """Build the configured subscribers (for `rank`: entries for other ranks are skipped)."""
-    return _build(load_config(source), rank)
-
-
-def subscriber_from_spec(spec: str) -> Any:
-    """The subscriber one SPEC builds (the CLI's `--subscribe SPEC`)."""
-    return parse_spec(spec).build()
-
-
-def subscribe_from_config(bus: EventBus, source: Source = None) -> list[Subscription]:
-    """Build and subscribe what the configuration (default: the environment) names."""
-    return [b.subscribe(bus) for b in subscribers_from_config(source, rank=bus.rank)]
-
-
-def bus_from_config(source: str | os.PathLike[str] | None = None, **options: Any) -> EventBus:
-    """An `EventBus` with the `[bus]` options of a TOML file (default: `EVENTBUS_CONFIG`) and of
-    `EVENTBUS_SUBSCRIBERS`, `options` on top, and both sources' subscribers subscribed."""
-    from eventbus.bus import EventBus
-
-    parts = _environment(config=None if source is None else Path(source))
-    bus_opts, configs = _merged(*parts)
-    try:
-        bus = EventBus(**{**bus_opts, **options})
-    except (TypeError, ValueError) as e:  # an option _BUS_RULES does not cover, or a keyword
-        named = [w for w, (opts, _) in parts if opts] + ["keywords"] * bool(options)
-        raise ConfigError(f"bus options from {' and '.join(named)}: {e}") from None
-    for b in _build(configs, bus.rank):
-        b.subscribe(bus)
-    return bus
