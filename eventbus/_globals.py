@@ -1,7 +1,9 @@
-"""All of eventbus's global state: the default bus behind `get_bus()` and `register_global`.
+"""The process's default bus, behind `get_bus()`, `set_bus()` and `register_global()`.
 
 Cerebras-style registration: code that cannot pass a bus around attaches subscribers to the
-process's default bus, which starts on first use and drains at interpreter exit.
+process's default bus, which starts on first use and drains at interpreter exit. This is the
+only global a user sees; other process-wide state (the event-type registry, capture's pooled
+CUDA events, the live buses that fork and exit hooks reach) stays with the module that owns it.
 """
 
 from __future__ import annotations
