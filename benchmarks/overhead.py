@@ -168,8 +168,8 @@ def _thread_cpu_s(native_id: int | None) -> float:
 def _bus_thread_ns_per_event(bus: EventBus, rounds: int, calls: int) -> float:
     """CPU the bus thread spends per small event published in bursts (routing to its 4
     subscribers, their queues and tasks; the slow one's work runs in its own thread)."""
-    assert bus._thread is not None  # running
-    tid = bus._thread.native_id
+    assert bus.thread is not None  # running
+    tid = bus.thread.native_id
     bus.flush(timeout=30)
     c0 = _thread_cpu_s(tid)  # psutil reads clock ticks: measure many rounds at once
     for _ in range(rounds):

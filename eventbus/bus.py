@@ -451,6 +451,11 @@ class EventBus:
         return self.control.should_abort
 
     @property
+    def thread(self) -> threading.Thread | None:
+        """The bus thread, once started (to read its CPU time when profiling)."""
+        return self._loop.thread
+
+    @property
     def running(self) -> bool:
         """True between `start()` and `close()`, while the bus thread lives."""
         return self._state == _RUNNING and self._loop.alive

@@ -154,6 +154,9 @@ class Delivery:
         self.lost_at_close = 0  # still in the inbox, routed nowhere, when the bus gave up
         self.consecutive_failures = 0
         self.last_error: str | None = None
+        self.in_flight = 0  # events of the call in progress
+        self.lost_in_flight = 0  # the call in progress when the bus abandoned it
+        self._abandoned = False
         self.busy_since: float | None = None
         self.busy_with: str | None = None
         self.latencies: deque[float] = deque(maxlen=1024)
@@ -217,6 +220,9 @@ class Delivery:
     def abandon(self) -> int:
         """The bus gives up on it: drop what is queued (counted lost); returns how many."""
         n = 0
+        if self.busy_since is not None and not self._abandoned:
+            self.lost_in_flight = self.in_flight  # whatever it returns now is not counted
+        self._abandoned = True
         if self.queue is not None:
             n = self.queue.discard()  # routed, then dropped: counted in the queue's `dropped`
             self.queue.close()
@@ -236,12 +242,14 @@ class Delivery:
         if first_ts is not None:
             self.latencies.append((time.time_ns() - first_ts) / 1e6)
         self._busy(type(batch[0]).__name__)
+        self.in_flight = len(batch)
         try:
             if self.batched:
                 return await self._call_batch(batch)
             return await self._call_each(batch)
         finally:
             self.busy_since = self.busy_with = None
+            self.in_flight = 0
 
     async def _call_batch(self, batch: list[Event]) -> BaseException | None:
         try:
@@ -331,10 +339,14 @@ class Delivery:
     # -- accounting -------------------------------------------------------------------------
 
     def _ok(self, n: int) -> None:
+        if self._abandoned:  # counted as lost when the bus gave up on it
+            return
         self.delivered += n
         self.consecutive_failures = 0
 
     def _failed(self, exc: BaseException, ev: Event, n: int) -> None:
+        if self._abandoned:
+            return
         self.failed += n
         self.consecutive_failures += 1
         self.last_error = f"{type(exc).__name__}: {exc}"
@@ -371,7 +383,8 @@ class Delivery:
             state=str(self.state),
             published=self.routed + self.inbox_dropped + self.lost_at_close,
             delivered=self.delivered,
-            dropped=(q.dropped if q else 0) + self.inbox_dropped + self.lost_at_close,
+            dropped=(q.dropped if q else 0) + self.inbox_dropped + self.lost_at_close
+            + self.lost_in_flight,
             failed=self.failed,
             queued=q.queued if q else 0,
             queue_high_water=q.high_water if q else 0,

@@ -65,7 +65,7 @@ class BusLoop:
         self.thread.start()
         if not self._ready.wait(timeout):
             raise RuntimeError(f"the eventbus thread did not start within {timeout} s")
-        if self.error is not None:
+        if self.error is not None and self._tg is None:
             raise RuntimeError("the eventbus thread failed to start") from self.error
 
     @property
@@ -112,6 +112,8 @@ class BusLoop:
         try:
             anyio.run(self._main, backend="asyncio")
         except BaseException as e:  # never silently: reported here, in stats and at close
+            while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
+                e = e.exceptions[0]  # the task group's wrapping: name what really happened
             self.error = e
             get_logger().error("eventbus thread crashed; publishing no longer blocks and what "
                                "it held is counted lost", exc_info=e)
@@ -186,6 +188,7 @@ class BusLoop:
         routing = anyio.CancelScope()
         self._tg.start_soon(self._route_while_closing, routing)
         with anyio.CancelScope() as self._shutdown_scope:
+            await self._drain_all()
             closed: set[Delivery] = set()
             while True:
                 await self.router.drain(force=True)  # attaches late subscribers too
@@ -203,6 +206,25 @@ class BusLoop:
             self._hang(d)
         routing.cancel()
         self._count_losses()
+
+    async def _drain_all(self) -> None:
+        """Let every subscriber finish its queue, and what the others publish meanwhile.
+
+        Ends early when the only busy ones have sat in one call for a while (hung, or very
+        slow): they still get their share below, and the others are not held up by them.
+        """
+        start = time.monotonic()
+        stop = start + (self._deadline - start) / 2
+        stuck_after = min(1.0, (self._deadline - start) / 10)
+        while time.monotonic() < stop:
+            await self.router.drain(force=True)
+            now = time.monotonic()
+            busy = [d for d in self.router.deliveries if not d.idle]
+            if not len(self.inbox) and all(
+                d.busy_since is not None and now - d.busy_since >= stuck_after for d in busy
+            ):
+                return
+            await anyio.sleep(_TICK)
 
     async def _route_while_closing(self, scope: anyio.CancelScope) -> None:
         with scope:

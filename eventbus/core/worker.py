@@ -30,10 +30,9 @@ def worker_name() -> str | None:
 def _settle(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
     if fut.done():  # the awaiting task was cancelled (close deadline): drop the result
         return
-    if ok:
-        fut.set_result(value)
-    else:
-        fut.set_exception(value)
+    # Failures travel as a result, raised by `call` itself: a GeneratorExit set on the future
+    # would be thrown into the task, which closes the awaiting coroutine instead.
+    fut.set_result((ok, value))
 
 
 class ThreadWorker:
@@ -52,7 +51,10 @@ class ThreadWorker:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         self._q.put((fn, args, loop, fut))
-        return await fut
+        ok, value = await fut
+        if not ok:
+            raise value
+        return value
 
     def stop(self) -> None:
         """Let the thread end after the call in hand (a hung one is simply abandoned)."""

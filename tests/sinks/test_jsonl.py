@@ -354,16 +354,17 @@ def test_flush_interval_holds_lines_then_writes_them(tmp_path: Path) -> None:
         assert _loss_steps(w.path) == [1]  # written by the interval timer while running
 
 
-def test_long_flush_interval_still_writes_everything_at_close(tmp_path: Path) -> None:
+def test_long_flush_interval_holds_lines_until_flush_or_close(tmp_path: Path) -> None:
     w = JsonlWriter(tmp_path, flush_interval=3600)
     bus = _bus()
     bus.subscribe(w)
     with bus:
         for s in range(1, 4):
             bus.publish(Loss(step=s, value=1.0))
-        assert bus.flush(5)
-        assert not w.path.exists() or _loss_steps(w.path) == []  # held in memory
-    assert _loss_steps(w.path) == [1, 2, 3]
+        assert bus.flush(5)  # reaches the writer's on_flush: the lines are on disk now
+        assert _loss_steps(w.path) == [1, 2, 3]
+        bus.publish(Loss(step=4, value=1.0))
+    assert _loss_steps(w.path) == [1, 2, 3, 4]
 
 
 def test_without_interval_each_batch_is_on_disk_before_close(tmp_path: Path) -> None:
