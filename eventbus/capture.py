@@ -17,14 +17,14 @@ int or bool); any other as a CPU tensor. This module holds the process-wide pool
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import threading
 import typing
 from collections import deque
 from typing import Any
 
-from eventbus.events import Event
+from eventbus.codec import MAX_DEPTH
+from eventbus.events import Event, event_fields
 from eventbus.log import RateLimiter, get_logger
 
 __all__ = [
@@ -262,10 +262,11 @@ def _log_failure(msg: str, e: BaseException, **kw: Any) -> None:
 class _Capture:
     """One publish's captures: CUDA copies get one recorded event per device at the end."""
 
-    __slots__ = ("cuda",)
+    __slots__ = ("cuda", "deep")
 
     def __init__(self) -> None:
         self.cuda: list[tuple[Pending, Any]] | None = None
+        self.deep = False  # a container deeper than MAX_DEPTH (or a cycle) was met
 
     def tensor(self, t: Any) -> Pending:
         if t.requires_grad:
@@ -276,6 +277,10 @@ class _Capture:
             # subscribers see. A host memcpy; no device involved.
             return Pending(t.clone())
         if t.is_cuda:
+            if t.layout is not sys.modules["torch"].strided or t.is_quantized:
+                # Sparse or quantized: no pinned buffer has that layout. A device-side clone
+                # now (asynchronous); the host copy happens on the bus thread (Pending.host).
+                return Pending(t.clone())
             buf = POOL.get(t.dtype, tuple(t.shape))
             # Queued on the current stream of t's device behind the kernels that produce
             # `t`; non_blocking into pinned memory returns at once: no host-device sync
@@ -318,24 +323,32 @@ def _tensor_type() -> type | None:
     return tensor if isinstance(tensor, type) else None
 
 
-def _capture_value(v: Any, tensor: type, cap: _Capture) -> tuple[Any, bool]:
+def _capture_value(  # noqa: PLR0911 - one return per kind
+    v: Any, tensor: type, cap: _Capture, depth: int = 0
+) -> tuple[Any, bool]:
     """(captured value, whether anything in it needs resolving on the bus thread)."""
     if isinstance(v, tensor):
         return cap.tensor(v), True
     if type(v) in _CAPTURED:
         return v, True
     if isinstance(v, dict):
+        if depth >= MAX_DEPTH:  # kept as it is below here (a cycle ends here too)
+            cap.deep = True
+            return v, False
         found = False
         out = {}
         for k, x in v.items():
             if type(x) in PLAIN:
                 out[k] = x
             else:
-                out[k], f = _capture_value(x, tensor, cap)
+                out[k], f = _capture_value(x, tensor, cap, depth + 1)
                 found |= f
         return (out, True) if found else (v, False)
     if isinstance(v, list | tuple):
-        items = [_capture_value(x, tensor, cap) for x in v]
+        if depth >= MAX_DEPTH:  # kept as it is below here (a cycle ends here too)
+            cap.deep = True
+            return v, False
+        items = [_capture_value(x, tensor, cap, depth + 1) for x in v]
         if any(f for _, f in items):
             vals = [x for x, _ in items]
             if hasattr(v, "_fields"):  # a namedtuple
@@ -357,7 +370,7 @@ def capturable_fields(cls: type) -> tuple[str, ...]:
             hints = {}
         skip = {"step", "ts", "seq", "rank"}
         names = tuple(
-            f.name for f in dataclasses.fields(cls)
+            f.name for f in event_fields(cls)
             if f.name not in skip and hints.get(f.name, Any) not in (str, int, bool)
         )
         FIELDS[cls] = names
@@ -387,12 +400,25 @@ def capture_event(ev: Event) -> bool:
         if cap is None:
             cap = _Capture()
         v2, f = _capture_value(v, tensor, cap)
+        if cap.deep:  # delivered as it is below MAX_DEPTH; the JSONL writer skips the event
+            cap.deep = False
+            _too_deep(ev, name)
         if f:
             setattr(ev, name, v2)
             found = True
     if cap is not None:
         cap.fence()
     return found
+
+
+def _too_deep(ev: Event, name: str) -> None:
+    where = f"{type(ev).__name__}.{name}"
+    ok, held = _failures.allow(("too deep", where))
+    if ok:
+        get_logger().warning(
+            f"{where} is nested deeper than {MAX_DEPTH} levels (or is cyclic): tensors below "
+            "that are not captured and log writers skip the event; publish a flatter value",
+            event_type=type(ev).__name__, field=name, suppressed=held)
 
 
 class _NoTensor:
@@ -412,7 +438,9 @@ def capture_shared(t: Any) -> Shared:
     return Shared(capture_tensor(t))
 
 
-def _resolve_value(v: Any, where: str) -> Any:
+def _resolve_value(v: Any, where: str, depth: int = 0) -> Any:  # noqa: PLR0911
+    if depth > MAX_DEPTH:  # capture never goes deeper: nothing to resolve (a cycle ends here)
+        return v
     if type(v) in _CAPTURED:
         try:
             return v.value()
@@ -421,24 +449,26 @@ def _resolve_value(v: Any, where: str) -> Any:
                          field=where)
             return None
     if type(v) is dict:
-        return {k: _resolve_value(x, where) for k, x in v.items()}
+        return {k: _resolve_value(x, where, depth + 1) for k, x in v.items()}
     if type(v) is list:
-        return [_resolve_value(x, where) for x in v]
+        return [_resolve_value(x, where, depth + 1) for x in v]
     if isinstance(v, tuple):
-        vals = [_resolve_value(x, where) for x in v]
+        vals = [_resolve_value(x, where, depth + 1) for x in v]
         return type(v)(*vals) if hasattr(v, "_fields") else tuple(vals)
     return v
 
 
-def _pendings(v: Any, out: list[Any]) -> None:
+def _pendings(v: Any, out: list[Any], depth: int = 0) -> None:
     if type(v) in _CAPTURED:
         out.append(v)
+    elif depth > MAX_DEPTH:  # capture never goes deeper (a cycle ends here)
+        return
     elif type(v) is dict:
         for x in v.values():
-            _pendings(x, out)
+            _pendings(x, out, depth + 1)
     elif isinstance(v, list | tuple):
         for x in v:
-            _pendings(x, out)
+            _pendings(x, out, depth + 1)
 
 
 def pending_of(ev: Event) -> list[Any]:

@@ -8,6 +8,8 @@ subscribers see plain floats (CPU tensors when not scalar).
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -35,6 +37,7 @@ __all__ = [
     "StopRequested",
     "TensorStats",
     "UnknownEvent",
+    "event_fields",
     "event_type",
     "registered_types",
 ]
@@ -85,6 +88,28 @@ def event_type(name: str) -> type[Event] | None:
 def registered_types() -> dict[str, type[Event]]:
     """A copy of the registry: type name -> event class."""
     return dict(_REGISTRY)
+
+
+def event_fields(cls: type) -> tuple[dataclasses.Field[Any], ...]:
+    """The dataclass fields of an event class; `TypeError` if a subclass was not decorated.
+
+    `__init_subclass__` runs before `@dataclass` can, so this check runs where a class is first
+    published or encoded (the per-class caches call it once per class).
+    """
+    fields = dataclasses.fields(cls)
+    known = {f.name for f in fields}
+    for klass in cls.__mro__:
+        if klass is Event or klass is object:
+            break
+        own = inspect.get_annotations(klass)
+        lost = [n for n, a in own.items() if n not in known and "ClassVar" not in str(a)]
+        if lost:
+            raise TypeError(
+                f"{klass.__qualname__} subclasses eventbus.Event but is not a dataclass, so its "
+                f"fields {', '.join(lost)} would be lost: decorate it with "
+                "@dataclass(slots=True, kw_only=True)"
+            )
+    return fields
 
 
 # -- run / epoch / step lifecycle -------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections import OrderedDict, namedtuple
 from collections.abc import Iterator
@@ -359,3 +360,58 @@ def test_without_cuda_nothing_touches_the_pinned_pool(bus: EventBus) -> None:
     got = _deliver(bus, Loss(step=1, value=torch.tensor(1.0)))
     assert got[0].value == 1.0
     assert POOL.statistics() == before
+
+
+def _deep_dict(n: int, leaf: Any = None) -> dict[str, Any]:
+    d: dict[str, Any] = {"leaf": leaf}
+    for _ in range(n):
+        d = {"a": d}
+    return d
+
+
+@pytest.mark.parametrize("kind", ["cyclic", "deep5000", "cyclic-list"])
+def test_cyclic_or_very_deep_fields_publish_without_recursion_error(kind: str) -> None:
+    if kind == "cyclic":
+        v: Any = {"x": 1.0}
+        v["self"] = v
+    elif kind == "cyclic-list":
+        v = [1.0]
+        v.append(v)
+    else:
+        v = _deep_dict(5000)
+    t = torch.tensor(2.0)
+    # A class per case: the warning is rate-limited per type and field.
+    cls = dataclasses.make_dataclass(f"Deep_{kind.replace('-', '_')}", [], bases=(Scalars,),
+                                     slots=True, kw_only=True)
+    ev = cls(step=1, values={"t": t, "v": v})
+    with structlog.testing.capture_logs() as logs:
+        assert capture_event(ev)  # the shallow tensor is still captured
+    assert [e["field"] for e in logs if "nested deeper" in e["event"]] == ["values"]
+    assert f"{cls.__name__}.values" in logs[0]["event"]
+    assert len(pending_of(ev)) >= 1
+    resolve(ev)
+    assert ev.values["t"] == 2.0
+
+
+def test_a_deep_field_without_tensors_is_delivered_unchanged(bus: EventBus) -> None:
+    deep = _deep_dict(600)
+    got = _deliver(bus, Scalars(step=1, values=deep), Loss(step=2, value=1.0))
+    assert [type(e).__name__ for e in got] == ["Scalars", "Loss"]
+    assert got[0].values is deep
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.tensor([[0.0, 1.5], [2.0, 0.0]]).to_sparse(),
+    lambda: torch.tensor([[0.0, 1.5], [2.0, 0.0]]).to_sparse_csr(),
+], ids=["coo", "csr"])
+def test_sparse_tensors_reach_subscribers_and_the_encoder(make: Any, bus: EventBus) -> None:
+    import warnings
+
+    from eventbus.codec import decode, encode
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "sparse CSR support is in beta"
+        t = make()
+    got = _deliver(bus, Scalars(step=1, values={"m": t}))
+    assert len(got) == 1
+    back = decode(encode(got[0]))
+    assert isinstance(back, Scalars) and back.values["m"] == [[0.0, 1.5], [2.0, 0.0]]

@@ -2,16 +2,20 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from typing import ClassVar
 
 import pytest
 
-from eventbus import Event
+from eventbus import Event, EventBus
+from eventbus.capture import capturable_fields
+from eventbus.codec import encode
 from eventbus.events import (
     DivergenceDetected,
     Loss,
     MemoryLeakSuspected,
     OptimizerStepped,
     StepEnded,
+    event_fields,
     event_type,
     registered_types,
 )
@@ -65,3 +69,32 @@ def test_two_classes_with_one_name_warn() -> None:
     second.__module__ = "somewhere.else"  # now it looks like another library's class
     with pytest.warns(RuntimeWarning, match="Clash"):
         make()
+
+
+class _Undecorated(Event):  # no @dataclass: `gain` would be a class attribute, not a field
+    gain: float = 0.0
+
+
+def test_a_subclass_without_dataclass_is_refused_where_it_is_first_used() -> None:
+    hint = r"_Undecorated .*gain.*decorate it with @dataclass\(slots=True, kw_only=True\)"
+    with pytest.raises(TypeError, match=hint):
+        event_fields(_Undecorated)
+    with pytest.raises(TypeError, match=hint):
+        encode(_Undecorated(step=1))
+    with pytest.raises(TypeError, match=hint):
+        capturable_fields(_Undecorated)
+    with pytest.raises(TypeError, match=hint):
+        EventBus().publish(_Undecorated(step=1))  # the first publish of the class
+
+
+def test_decorated_subclasses_class_vars_and_field_less_aliases_are_fine() -> None:
+    @dataclasses.dataclass(slots=True, kw_only=True)
+    class Tuned(Event):
+        gain: float = 0.0
+        unit: ClassVar[str] = "dB"
+
+    class Alias(Tuned):  # adds no field: nothing would be lost
+        pass
+
+    assert [f.name for f in event_fields(Alias)][-1] == "gain"
+    assert b'"gain":2.0' in encode(Alias(gain=2.0))
