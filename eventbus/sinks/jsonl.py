@@ -5,7 +5,9 @@ Lossless by default (`policy = "block"`). Each batch the bus hands over becomes 
 a forked child (a DataLoader worker) has nothing of ours to flush a second time, and a
 `tail -f` sees lines within a drain interval. A write that fails (disk full, I/O error) marks
 the writer failed: it raises from `on_events` from then on, so the bus counts every event it
-could not keep, and after the bus's consecutive-failure limit the bus disables it.
+could not keep, and after the bus's consecutive-failure limit the bus disables it. Lines held
+by `flush_interval` and lost in a later write are counted exactly in `lines_lost`, carried by
+the next error raised (`JsonlWriteError.earlier_lost`) and reported at close.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any, ClassVar
 import orjson
 
 import eventbus
-from eventbus import Event, EventEncodeError
+from eventbus import Event
 from eventbus.codec import encode
 from eventbus.events import CheckpointLoaded, RunStarted
 from eventbus.log import RateLimiter, get_logger
@@ -38,7 +40,13 @@ _WRITERS: list[JsonlWriter] = []  # for the fork hook; a writer removes itself a
 
 
 class JsonlWriteError(OSError):
-    """The log could not be written (disk full, I/O error); the writer is marked failed."""
+    """The log could not be written (disk full, I/O error); the writer is marked failed.
+
+    `earlier_lost`: events of earlier batches (held by `flush_interval`, so counted delivered
+    when handed over) that this failure lost, besides the batch being handed over now.
+    """
+
+    earlier_lost: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +59,7 @@ class JsonlWriterStats:
     skipped_oversize: int  # events replaced by a marker: line over `max_line_bytes`
     skipped_unserialisable: int  # events replaced by a marker: a field JSON cannot hold
     lines_lost: int  # events handed to the writer that never reached the file (I/O errors)
+    lines_lost_held: int  # of those, events held by flush_interval when a later write failed
     lines_truncated: int  # lines removed by a resume (step > the resume step)
     torn_lines_repaired: int  # partial last lines (a crash mid-write) removed on open
     failed: str | None  # the I/O error that stopped the writer, if any
@@ -125,8 +134,9 @@ class JsonlWriter:
         self._closed = False
         self._timer: threading.Thread | None = None
         self._timer_stop = threading.Event()
-        self._n = dict.fromkeys(
-            ("lines", "bytes", "oversize", "unserialisable", "lost", "truncated", "torn"), 0)
+        self._n = dict.fromkeys(("lines", "bytes", "oversize", "unserialisable", "lost",
+                                 "lost_held", "truncated", "torn"), 0)
+        self._unreported = 0  # held lines lost in the timer thread, not yet raised to the bus
 
     # -- where ----------------------------------------------------------------------------
 
@@ -159,71 +169,106 @@ class JsonlWriter:
             self._open()
 
     def on_events(self, batch: list[Event]) -> None:
-        """Encode the batch into one buffer and write it (now, or when the interval is due)."""
+        """Encode the batch into one buffer and write it (now, or when the interval is due).
+
+        An event that cannot be encoded (any exception) becomes a counted marker line naming
+        its type and field; the rest of the batch is written.
+        """
         with self._lock:
             if self._error is not None:
                 self._n["lost"] += len(batch)
-                raise JsonlWriteError(
+                err = JsonlWriteError(
                     self._error.errno, f"JSONL writer failed earlier ({self._error}); "
                     f"{len(batch)} events not written to {self.path}")
+                err.earlier_lost, self._unreported = self._unreported, 0
+                raise err
             if self._fd is None:
                 self._open()
-            buf = self._buf
-            cap = self.max_line_bytes
             n = 0
-            for ev in batch:
-                t = type(ev)
-                if (t is CheckpointLoaded or t is RunStarted) and self.truncate_on_resume:
-                    step = ev.step if t is CheckpointLoaded else ev.resumed_from_step  # type: ignore[attr-defined]
-                    if step is not None:
-                        self._buf_lines += n
-                        n = 0
-                        self._truncate_after(step)
-                try:
-                    line = encode(ev)
-                except EventEncodeError as e:
-                    self._n["unserialisable"] += 1
-                    line = self._skipped(ev, "unserialisable", error=str(e))
-                    _warn("event not written: a field cannot be serialised",
-                          key=(t, "encode"), event_type=t.__name__, step=ev.step, error=str(e))
-                else:
-                    if len(line) > cap:
-                        self._n["oversize"] += 1
-                        _warn("event not written: its line is over max_line_bytes",
-                              key=(t, "size"), event_type=t.__name__, step=ev.step,
-                              size=len(line), max_line_bytes=cap)
-                        line = self._skipped(ev, "oversize", size=len(line), limit=cap)
-                buf += line
-                n += 1
-                s = ev.step
-                if s is not None and (self._last_step is None or s > self._last_step):
-                    self._last_step = s
-            self._buf_lines += n
-            if (self.flush_interval == 0.0 or len(buf) >= self.buffer_bytes
+            try:
+                for ev in batch:
+                    t = type(ev)
+                    if (t is CheckpointLoaded or t is RunStarted) and self.truncate_on_resume:
+                        step = ev.step if t is CheckpointLoaded else ev.resumed_from_step  # type: ignore[attr-defined]
+                        if step is not None:
+                            self._buf_lines += n
+                            n = 0
+                            self._truncate_after(step)
+                    self._buf += self._line(ev)
+                    n += 1
+                    s = ev.step
+                    if type(s) is int and (self._last_step is None or s > self._last_step):
+                        self._last_step = s
+            finally:
+                self._buf_lines += n
+            if (self.flush_interval == 0.0 or len(self._buf) >= self.buffer_bytes
                     or time.monotonic() - self._last_write >= self.flush_interval):
-                self._write_out()
+                try:
+                    self._write_out()
+                except JsonlWriteError as e:  # this batch is counted failed by the bus
+                    e.earlier_lost = max(0, e.earlier_lost - len(batch))
+                    raise
+
+    def _line(self, ev: Event) -> bytes:
+        """The line of `ev`, or a skipped marker naming why (a field that cannot be written,
+        a line over `max_line_bytes`)."""
+        t = type(ev)
+        try:
+            line = encode(ev)
+        except Exception as e:  # EventEncodeError, or anything a user's value raised
+            self._n["unserialisable"] += 1
+            field = getattr(e, "field", None)
+            _warn("event not written: a field cannot be serialised", key=(t, "encode"),
+                  event_type=t.__name__, field=field, step=ev.step, error=str(e))
+            return self._skipped(ev, "unserialisable", field=field,
+                                 error=f"{type(e).__name__}: {e}"[:1000])
+        cap = self.max_line_bytes
+        if len(line) > cap:
+            self._n["oversize"] += 1
+            _warn("event not written: its line is over max_line_bytes",
+                  key=(t, "size"), event_type=t.__name__, step=ev.step,
+                  size=len(line), max_line_bytes=cap)
+            return self._skipped(ev, "oversize", size=len(line), limit=cap)
+        return line
 
     def on_flush(self) -> None:
         """Write what is held (a `flush_interval` > 0 holds lines between writes)."""
         with self._lock:
             if self._error is None:
-                self._write_out()
+                try:
+                    self._write_out()
+                except JsonlWriteError as e:  # held lines, delivered earlier: the next batch
+                    self._unreported += e.earlier_lost  # raises them to the bus
+                    e.earlier_lost = 0
+                    raise
 
     def on_close(self) -> None:
-        """Write what is held, append the stats record, fsync if asked, close the file."""
+        """Write what is held, append the stats record, fsync if asked, close the file.
+
+        After a write failure the stats record is still tried (the disk may have room again)
+        and the loss is logged with its exact counts.
+        """
         self._timer_stop.set()
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             try:
-                if self._error is None and self._fd is not None:
-                    self._write_out()
+                if self._fd is not None:
+                    if self._error is None:
+                        with contextlib.suppress(JsonlWriteError):
+                            self._write_out()
                     self._append_stats()
-                    if self.fsync:
+                    if self.fsync and self._error is None:
                         os.fsync(self._fd)
             finally:
                 self._close_fd()
+                if self._error is not None:
+                    n = self._n
+                    get_logger().error(
+                        "JSONL writer closed after a write failure: events were lost",
+                        path=str(self._path), error=str(self._error), lines_written=n["lines"],
+                        lines_lost=n["lost"], lines_lost_held=n["lost_held"])
 
     # -- checkpoints -----------------------------------------------------------------------
 
@@ -254,6 +299,7 @@ class JsonlWriter:
             path=str(self._path) if self._path else None, lines_written=n["lines"],
             bytes_written=n["bytes"], skipped_oversize=n["oversize"],
             skipped_unserialisable=n["unserialisable"], lines_lost=n["lost"],
+            lines_lost_held=n["lost_held"],
             lines_truncated=n["truncated"], torn_lines_repaired=n["torn"],
             failed=str(self._error) if self._error else None,
         )
@@ -363,6 +409,7 @@ class JsonlWriter:
                           resume_step=step, lines_removed=dropped)
 
     def _write_out(self) -> None:
+        """Write the buffer; on an error count exactly the event lines lost, raise."""
         buf = self._buf
         if not buf or self._fd is None:
             return
@@ -373,25 +420,48 @@ class JsonlWriter:
         self._last_write = time.monotonic()
         if os.getpid() != self._pid:
             return  # a forked child: the parent owns these lines and this file
+        if self._error is not None:  # only the stats record is tried after a failure
+            with contextlib.suppress(_PartialWrite):
+                self._write_all(data)
+            return
+        try:
+            self._write_all(data)
+        except _PartialWrite as p:
+            e = p.error
+            # Complete lines that made it before the error (records come first in a buffer).
+            written = min(n_lines, max(0, data.count(b"\n", 0, p.done) - n_records))
+            lost = n_lines - written
+            self._n["lines"] += written
+            self._fail(e, lost)
+            err = JsonlWriteError(
+                e.errno, f"JSONL writer failed: {e.strerror or e} writing {self._path}; "
+                f"{self._n['lost']} events lost so far, later events are not written")
+            err.earlier_lost = lost
+            raise err from e
+        self._n["lines"] += n_lines
+        self._n["bytes"] += len(data)
+
+    def _write_all(self, data: bytes) -> None:
+        """`os.write` until done; a failure cuts a partial line off (a regular file)."""
+        assert self._fd is not None
         view = memoryview(data)
         done = 0
         try:
             while done < len(data):
                 done += os.write(self._fd, view[done:])
         except OSError as e:
-            # Complete lines that made it before the error (records come first in a buffer).
-            written = max(0, data.count(b"\n", 0, done) - n_records)
-            self._fail(e, max(0, n_lines - written))
-            self._n["lines"] += min(written, n_lines)
-            raise JsonlWriteError(
-                e.errno, f"JSONL writer failed: {e.strerror or e} writing {self._path}; "
-                f"{self._n['lost']} events lost so far, later events are not written") from e
-        self._n["lines"] += n_lines
-        self._n["bytes"] += len(data)
+            whole = data.rfind(b"\n", 0, done) + 1
+            if done > whole:  # half a line on disk: remove it, so the log stays readable
+                with contextlib.suppress(OSError):
+                    if _regular(self._fd):
+                        os.ftruncate(self._fd, os.fstat(self._fd).st_size - (done - whole))
+            self._n["bytes"] += whole
+            raise _PartialWrite(e, done) from e
 
     def _fail(self, e: OSError, lost: int) -> None:
         self._error = e
         self._n["lost"] += lost
+        self._n["lost_held"] += lost
         get_logger().error(
             "JSONL writer failed; it writes nothing more in this run",
             path=str(self._path), error=f"{type(e).__name__}: {e}",
@@ -415,8 +485,10 @@ class JsonlWriter:
             self._write_out()
 
     def _skipped(self, ev: Event, reason: str, **info: Any) -> bytes:
-        return record(SKIPPED_TYPE, reason=reason, event_type=type(ev).__name__, step=ev.step,
-                      ts=ev.ts, seq=ev.seq, rank=ev.rank, **info)
+        stamps = {k: v if type(v) is int else None
+                  for k in ("step", "ts", "seq", "rank") for v in [getattr(ev, k, None)]}
+        name = getattr(ev, "type_name", None) or type(ev).__name__
+        return record(SKIPPED_TYPE, reason=reason, event_type=name, **stamps, **info)
 
     def _close_fd(self) -> None:
         if self._fd is not None:
@@ -433,13 +505,24 @@ class JsonlWriter:
             with self._lock:
                 if (self._buf and self._error is None and not self._closed
                         and time.monotonic() - self._last_write >= interval):
-                    with contextlib.suppress(JsonlWriteError):
+                    try:
                         self._write_out()
+                    except JsonlWriteError as e:  # no batch in hand: the next one raises it
+                        self._unreported += e.earlier_lost
 
     def _forked(self) -> None:
         self._buf = bytearray()
         self._buf_lines = self._buf_records = 0
         self._lock = threading.RLock()
+
+
+class _PartialWrite(Exception):
+    """An `os.write` failed after `done` bytes of a buffer."""
+
+    def __init__(self, error: OSError, done: int) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.done = done
 
 
 def _regular(fd: int) -> bool:

@@ -430,3 +430,143 @@ def test_overwrite_starts_the_file_afresh(tmp_path: Path) -> None:
     assert _loss_steps(w.path) == [1, 2]
     w = _write_run(tmp_path, range(3, 4))  # the default appends
     assert _loss_steps(w.path) == [1, 2, 3]
+
+
+# -- one bad payload skips only itself (issue 14, item 5) ------------------------------------
+
+
+def _deep(n: int) -> dict[str, Any]:
+    d: dict[str, Any] = {}
+    for _ in range(n):
+        d = {"a": d}
+    return d
+
+
+def _cyclic() -> dict[str, Any]:
+    d: dict[str, Any] = {}
+    d["self"] = d
+    return d
+
+
+class _ToListRaises:
+    device = "cpu"
+
+    def tolist(self) -> list[Any]:
+        raise RuntimeError("cannot convert")
+
+
+@pytest.mark.parametrize("bad", [
+    lambda: _deep(600), lambda: _deep(5000), _cyclic, _ToListRaises, lambda: {1, 2},
+    lambda: 2**70, lambda: {(1, 2): 1.0},
+], ids=["deep600", "deep5000", "cyclic", "tolist-raises", "set", "bigint", "tuple-key"])
+def test_one_bad_payload_skips_exactly_itself_and_the_batch_goes_on(
+    tmp_path: Path, bad: Any,
+) -> None:
+    w = JsonlWriter(tmp_path)
+    bus = _bus()
+    bus.subscribe(w)
+    with bus:  # one batch: nothing is written until the bus drains after close
+        bus.publish(Loss(step=0, value=0.0))
+        bus.publish(Opaque(step=1, thing=bad()))
+        for s in range(2, 502):
+            bus.publish(Loss(step=s, value=float(s)))
+    assert _loss_steps(w.path) == [0, *range(2, 502)]
+    markers = [d for d in _lines(w.path) if d["type"] == "eventbus.skipped"]
+    assert len(markers) == 1
+    assert (markers[0]["event_type"], markers[0]["field"], markers[0]["step"]) == (
+        "Opaque", "thing", 1)
+    assert "Opaque.thing" in markers[0]["error"]
+    st = w.stats()
+    assert (st.skipped_unserialisable, st.lines_lost, st.lines_written) == (1, 0, 502)
+    js = bus.stats()["jsonl"]
+    assert (js.delivered, js.failed, js.dropped) == (502, 0, 0)
+
+
+def test_string_tags_and_int_keys_survive_the_writer(tmp_path: Path) -> None:
+    w = JsonlWriter(tmp_path)
+    bus = _bus()
+    bus.subscribe(w)
+    with bus:
+        bus.publish(RunStarted(config={1: "a", "1": "b", "act": "NaN"}))
+        bus.publish(JsonlUserEvent(step=1, label="Infinity", score=math.inf))
+    first, second = _events(w.path)
+    assert isinstance(first, RunStarted) and first.config == {1: "a", "1": "b", "act": "NaN"}
+    assert isinstance(second, JsonlUserEvent)
+    assert (second.label, second.score) == ("Infinity", math.inf)
+
+
+# -- held lines lost at a later failed write are counted exactly (item 13) -------------------
+
+
+class _Disk:
+    """Makes `os.write` on one file fail with ENOSPC, after writing `room` more bytes."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, path: Path) -> None:
+        self.path = path
+        self.room: int | None = None  # None: writes succeed
+        self.real = os.write
+        monkeypatch.setattr(os, "write", self.write)
+
+    def write(self, fd: int, data: Any) -> int:
+        if self.room is None or os.path.realpath(f"/proc/self/fd/{fd}") != str(
+                self.path.resolve()):
+            return self.real(fd, data)
+        if self.room <= 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        n = self.real(fd, bytes(data[: self.room]))
+        self.room -= n
+        return n
+
+
+def _losses(start: int, n: int) -> list[Event]:
+    return [Loss(step=s, value=float(s), seq=s) for s in range(start, start + n)]
+
+
+def test_held_lines_lost_at_a_later_write_are_counted_and_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    w = JsonlWriter(tmp_path, flush_interval=3600)
+    disk = _Disk(monkeypatch, w.path)
+    w.on_start()
+    w.on_events(_losses(0, 100))  # held: the interval is not due
+    w.on_events(_losses(100, 50))
+    assert not w.path.exists() or w.path.read_bytes() == b""
+    disk.room = 0
+    with pytest.raises(JsonlWriteError):
+        w.on_flush()  # the held 150 are lost: delivered to the writer, never written
+    st = w.stats()
+    assert (st.lines_written, st.lines_lost, st.lines_lost_held) == (0, 150, 150)
+    with pytest.raises(JsonlWriteError) as info:
+        w.on_events(_losses(150, 10))  # the next batch carries the earlier loss to the bus
+    assert info.value.earlier_lost == 150
+    assert w.stats().lines_lost == 160
+    with caplog.at_level(logging.ERROR, logger="eventbus"):
+        w.on_close()
+    assert "closed after a write failure" in caplog.text
+    assert "lines_lost=160" in caplog.text
+
+
+def test_a_partial_write_leaves_whole_lines_and_exact_counts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    w = JsonlWriter(tmp_path, flush_interval=3600)
+    disk = _Disk(monkeypatch, w.path)
+    w.on_start()
+    w.on_events(_losses(0, 1000))
+    disk.room = 20_000  # the disk fills up in the middle of a line
+    with pytest.raises(JsonlWriteError):
+        w.on_flush()
+    with pytest.raises(JsonlWriteError):
+        w.on_events(_losses(1000, 1))  # refused: counted lost too
+    disk.room = None  # room again: the stats record at close gets written
+    w.on_close()
+    assert w.path.read_bytes().endswith(b"\n")
+    steps = _loss_steps(w.path)  # every line parses: the torn line was cut off
+    st = w.stats()
+    assert 0 < st.lines_written < 1000
+    assert steps == list(range(st.lines_written))
+    assert (st.lines_lost, st.lines_lost_held) == (1001 - st.lines_written,
+                                                   1000 - st.lines_written)
+    stats = _lines(w.path)[-1]
+    assert stats["type"] == "eventbus.stats"
+    assert stats["writer"]["lines_lost"] == st.lines_lost
