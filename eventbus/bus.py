@@ -415,6 +415,7 @@ class EventBus:
     def _finish(self) -> None:
         self._state = _CLOSED
         self._inbox.close()
+        self._loop.router.remaining()  # a publisher racing the close: counted, not stranded
         if self._exit_hook:
             atexit.unregister(self._at_exit)
         self._restore_signal_handlers()

@@ -29,6 +29,7 @@ class SubscriberStats:
     latency_p99_ms: float | None
     latency_max_ms: float | None
     error: str | None = None  # the last exception, as "Type: message"
+    queued_bytes: int = 0  # bytes of the big events (1 KiB or more) in its queue now
 
 
 @dataclass(frozen=True, slots=True)

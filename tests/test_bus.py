@@ -485,3 +485,36 @@ def test_removed_subscriber_still_gets_what_was_queued_then_closes() -> None:
     assert got == [0, 1, 2, 3, 4] and closed == [True]
     st = h.stats()
     assert st is not None and st.dropped == 0 and st.state == "closed"
+
+
+def test_publishing_the_same_event_object_twice_is_refused(
+    bus: EventBus, recorder: Recorder
+) -> None:
+    bus.subscribe(recorder)
+    bus.start()
+    ev = Loss(step=1, value=1.0)
+    bus.publish(ev)
+    with pytest.raises(ValueError, match="already published"):
+        bus.publish(ev)  # the bus still holds the first: a change would rewrite it
+    assert bus.flush(5)
+    assert [e.seq for e in recorder.got] == [0]
+
+
+def test_republishing_a_copy_is_fine(bus: EventBus, recorder: Recorder) -> None:
+    import dataclasses
+
+    bus.subscribe(recorder)
+    bus.start()
+    ev = Loss(step=1, value=1.0)
+    bus.publish(ev)
+    again = dataclasses.replace(ev, seq=None, value=2.0)
+    bus.publish(again)
+    assert bus.flush(5)
+    assert [(e.seq, e.value) for e in recorder.got] == [(0, 1.0), (1, 2.0)]
+
+
+def test_bad_bus_options_are_clear_errors() -> None:
+    for kw in ({"drain_interval": 0}, {"close_timeout": -1}, {"inbox_max_bytes": 0},
+               {"queue_max_bytes": 1.5}, {"inbox_maxsize": "big"}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            EventBus(**kw)  # type: ignore[arg-type]

@@ -392,6 +392,7 @@ class Delivery:
             latency_p99_ms=lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None,
             latency_max_ms=lat[-1] if lat else None,
             error=self.last_error,
+            queued_bytes=q.queued_bytes if q else 0,
         )
 
 

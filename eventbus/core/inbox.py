@@ -116,6 +116,7 @@ class Inbox:
         self.feedback_dropped = 0  # events subscribers published into a half-full inbox
         self.rejected = 0  # events published after close (or in a forked child)
         self._wake_at = max(1, maxsize // 2)
+        self._close_budget: int | None = None  # bus-side events still accepted while closing
         self._waits = waits  # whether a lossless subscriber is attached
         self._drop = drop  # count a dropped event for its subscribers
         self._loop_thread = loop_thread
@@ -179,7 +180,12 @@ class Inbox:
             return True
         self._wake()
         if self.on_bus_side():
-            if len(self.items) < self._wake_at and not full:
+            if self._close_budget is not None:  # closing: a storm must not keep us open
+                if self._close_budget <= 0:
+                    self._storm(item)
+                    return False
+                self._close_budget -= 1
+            if len(self.items) < max(1, self.maxsize // 2) and not full:
                 return True
             self._storm(item)  # a subscriber publishing into a half-full inbox
             return False
@@ -265,6 +271,12 @@ class Inbox:
         if box.nbytes:
             with self._lock:
                 self.nbytes -= box.nbytes
+
+    def begin_close(self) -> None:
+        """From now on subscribers may publish at most `maxsize` more events (what they say
+        while closing still arrives; a feedback storm cannot hold the close open)."""
+        self._close_budget = self.maxsize
+        self._wake_at = 0  # every put takes the slow path, which counts
 
     def space(self) -> None:
         """Tell waiting publishers to look again (the loop drained, or ended)."""

@@ -77,6 +77,7 @@ class BusLoop:
         """Begin the shutdown; everything must be done by `deadline` (time.monotonic)."""
         self._deadline = deadline
         self._closing = True
+        self.inbox.begin_close()
         self.inbox.wake()
 
     def give_up(self) -> None:
@@ -115,6 +116,7 @@ class BusLoop:
             while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
                 e = e.exceptions[0]  # the task group's wrapping: name what really happened
             self.error = e
+            self.inbox.close()  # first: nothing may arrive after the count below
             get_logger().error("eventbus thread crashed; publishing no longer blocks and what "
                                "it held is counted lost", exc_info=e)
             self._count_losses()

@@ -86,7 +86,7 @@ def test_a_function_returning_a_coroutine_has_it_run() -> None:
         ran.append(ev.seq or 0)
 
     bus = EventBus(drain_interval=0.002)
-    sub = bus.subscribe(lambda ev: record(ev), policy="block")  # not `async def` itself
+    sub = bus.subscribe(lambda ev: record(ev), policy="block")  # noqa: PLW0108 - a sync fn
     with bus:
         for i in range(50):
             bus.publish(Loss(step=i, value=1.0))
@@ -100,7 +100,7 @@ def test_a_coroutine_that_raises_is_a_failure_of_that_event() -> None:
         raise ValueError("inside the coroutine")
 
     bus = EventBus(drain_interval=0.002, max_consecutive_failures=None)
-    sub = bus.subscribe(lambda ev: bad(ev), policy="block")
+    sub = bus.subscribe(lambda ev: bad(ev), policy="block")  # noqa: PLW0108
     with bus:
         for i in range(10):
             bus.publish(Loss(step=i, value=1.0))

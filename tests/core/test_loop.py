@@ -55,7 +55,8 @@ def test_a_hung_subscriber_leaves_a_buffering_writer_its_on_close(tmp_path: Path
     hung.release.set()
     assert len(_lines(writer.path)) == 1000  # on disk, though its neighbour never returned
     assert st.hung == ("hung",)
-    assert st[next(n for n in st.subscribers if n != "hung")].state == "closed" and st[next(n for n in st.subscribers if n != "hung")].delivered == 1000
+    w = st[next(n for n in st.subscribers if n != "hung")]
+    assert w.state == "closed" and w.delivered == 1000
     assert st["hung"].state == "hung"
     for s in st.subscribers.values():
         _identity(s)
@@ -83,12 +84,12 @@ def test_a_hung_on_close_is_named_and_the_older_ones_still_close() -> None:
     bus.subscribe(Quick("a"))
     bus.subscribe(Quick("b"))
     bus.subscribe(HangsInClose("c"))  # newest: closed first
-    with bus:
-        bus.publish(Loss(step=1, value=1.0))
+    bus.start()
+    bus.publish(Loss(step=1, value=1.0))
     t0 = time.monotonic()
     st = bus.close(timeout=1.5)
     release.set()
-    assert time.monotonic() - t0 < 1.0  # already closed: idempotent
+    assert time.monotonic() - t0 < 5  # bounded by the timeout, not by the hung hook
     assert closed == ["b", "a"]
     assert st.hung == ("c",) and st["c"].state == "hung"
 

@@ -1,0 +1,44 @@
+"""core.router: by type (a base class receives subclasses), in order, attach/detach in order."""
+
+from __future__ import annotations
+
+from eventbus import Event, EventBus
+from eventbus.events import Loss, Scalars, StepEnded
+from tests.conftest import Recorder
+
+
+def test_routes_by_type_and_base_class_and_attaches_in_order() -> None:
+    everything, losses = Recorder(), Recorder(events=[Loss])
+    bus = EventBus(drain_interval=0.002)
+    bus.subscribe(everything)
+    with bus:
+        bus.publish(Loss(step=1, value=1.0))
+        bus.subscribe(losses)  # in order with the events around it
+        bus.publish(Loss(step=2, value=1.0))
+        bus.publish(StepEnded(step=2))
+    assert [type(e).__name__ for e in everything.got] == ["Loss", "Loss", "StepEnded"]
+    assert [e.step for e in losses.got] == [2]
+
+
+def test_detach_takes_effect_in_order_and_queued_events_still_arrive() -> None:
+    rec = Recorder()
+    bus = EventBus(drain_interval=0.002)
+    handle = bus.subscribe(rec)
+    with bus:
+        for i in range(100):
+            bus.publish(Scalars(step=i, values={}))
+        handle.remove()
+        bus.publish(Scalars(step=100, values={}))
+    assert [e.step for e in rec.got] == list(range(100))
+    st = handle.stats()
+    assert st is not None and st.state == "closed" and not handle.active
+
+
+def test_subscribed_and_removed_before_start_never_runs() -> None:
+    calls: list[Event] = []
+    bus = EventBus(drain_interval=0.002)
+    handle = bus.subscribe(calls.append)
+    handle.remove()
+    with bus:
+        bus.publish(Loss(step=1, value=1.0))
+    assert calls == [] and not handle.active
