@@ -323,6 +323,7 @@ class Delivery:
             if _own_cancellation(e):
                 raise
             self.last_error = f"{type(e).__name__}: {e}"
+            self._revoke(e)
             get_logger().warning("subscriber hook failed", subscriber=self.name, hook=hook,
                                  error=self.last_error, exc_info=e)
             if isinstance(e, SubscriberGone):
@@ -347,6 +348,7 @@ class Delivery:
     def _failed(self, exc: BaseException, ev: Event, n: int) -> None:
         if self._abandoned:
             return
+        self._revoke(exc)
         self.failed += n
         self.consecutive_failures += 1
         self.last_error = f"{type(exc).__name__}: {exc}"
@@ -363,6 +365,15 @@ class Delivery:
         if (gone or too_many) and self.state is State.RUNNING:
             self.disable(self.last_error if gone
                          else f"{limit} consecutive failures; last: {self.last_error}")
+
+    def _revoke(self, exc: BaseException) -> None:
+        """A sink that finds events it had accepted were lost after all (a buffered write
+        failed) says how many in `exc.earlier_lost`: they move from delivered to failed."""
+        n = getattr(exc, "earlier_lost", 0)
+        if type(n) is int and n > 0:
+            n = min(n, self.delivered)
+            self.delivered -= n
+            self.failed += n
 
     def disable(self, why: str) -> None:
         """Stop calling the subscriber; what reaches it from now on is counted as dropped."""

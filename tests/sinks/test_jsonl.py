@@ -570,3 +570,28 @@ def test_a_partial_write_leaves_whole_lines_and_exact_counts(
     stats = _lines(w.path)[-1]
     assert stats["type"] == "eventbus.stats"
     assert stats["writer"]["lines_lost"] == st.lines_lost
+
+
+def test_bus_stats_say_what_reached_the_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Item 13: with flush_interval > 0 on a full disk, delivered means written."""
+    w = JsonlWriter(tmp_path, flush_interval=3600)
+    disk = _Disk(monkeypatch, w.path)
+    bus = _bus()
+    sub = bus.subscribe(w)
+    with bus:
+        for s in range(5000):
+            bus.publish(Loss(step=s, value=float(s)))
+        assert bus.flush(10)  # held lines written: the disk has room
+        disk.room = 0  # full from here on
+        for s in range(5000, 10_000):
+            bus.publish(Loss(step=s, value=float(s)))
+        bus.flush(10)  # the held lines are lost here; counted when the writer says so
+        bus.publish(Loss(step=10_000, value=1.0))  # the writer reports the earlier loss
+    st = sub.stats()
+    assert st is not None
+    on_disk = len(_loss_steps(w.path))
+    assert on_disk == 5000
+    assert st.delivered == on_disk  # not 10,001
+    assert st.delivered + st.failed + st.dropped == 10_001
