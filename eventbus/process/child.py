@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import json
 import os
 import pickle
@@ -20,17 +19,19 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, TypeVar
 
 from eventbus.control import Control
-from eventbus.core.delivery import takes_argument
+from eventbus.core.delivery import Delivery
 from eventbus.events import Event, StopRequested
 from eventbus.loader import load_object
 from eventbus.process import spawn, wire
 
 __all__ = ["ChildBus", "SubscriberCalls", "main", "serve"]
+
+T = TypeVar("T")
 
 
 class ChildBus:
@@ -73,7 +74,7 @@ class ChildBus:
 
 
 class SubscriberCalls:
-    """The one place the child calls subscriber code: hooks, a batch or one event at a time.
+    """The child's caller of subscriber code: the bus's own `Delivery`, on a private loop.
 
     Whatever the subscriber raises, `BaseException` included (SystemExit, KeyboardInterrupt,
     GeneratorExit), comes back as an error text for the parent to count; the child goes on.
@@ -81,64 +82,45 @@ class SubscriberCalls:
     """
 
     def __init__(self, sub: Any) -> None:
-        self.sub = sub
-        self.batched = hasattr(sub, "on_events")
+        # The parent counts, logs and disables; here the delivery only calls and reports.
+        self.delivery = Delivery(sub, name="child", max_consecutive_failures=None, report=False)
         self._loop = asyncio.new_event_loop()
 
     def hook(self, name: str, *args: Any) -> tuple[Any, str | None]:
         """Call an optional hook: (its value, None) or (None, the error); (None, None) if absent.
 
-        `on_start` and `on_close` belong to subscriber objects; a function's are not called.
+        Hooks belong to subscriber objects; a function's attributes are not called.
         """
-        fn = getattr(self.sub, name, None)
-        if not callable(fn) or (name in ("on_start", "on_close") and not self.batched):
-            return None, None
-        if name == "on_start" and not takes_argument(fn):
-            args = ()  # `on_start(self)` without the bus is fine too
+        d = self.delivery
+        if name in ("on_start", "on_close", "on_flush"):
+            d.last_hook_error = None
+            self._run(d.call_hook(name, *args))
+            err = d.last_hook_error
+            return None, describe_error(err) if err is not None else None
         try:
-            return self._call(fn, *args), None
+            return self._run(d.call_method(name, *args)), None
         except BaseException as e:  # user code: counted by the parent
             return None, describe_error(e)
 
     def deliver(self, events: list[Event]) -> str | None:
         """Hand `events` over (one batch, or one call per event); None, or the first failure."""
-        if self.batched:
-            try:
-                self._call(self.sub.on_events, events)
-            except BaseException as e:  # user code: counted by the parent
-                return describe_error(e, events)
+        d = self.delivery
+        failed = d.failed
+        self._run(d.deliver(events))
+        if d.first_failure is None:
             return None
-        failures: list[tuple[Event, BaseException]] = []
-        for ev in events:
-            try:
-                self._call(self.sub, ev)
-            except BaseException as e:  # the other events still go through
-                failures.append((ev, e))
-        if not failures:
-            return None
-        ev, first = failures[0]
-        return (f"{len(failures)} of {len(events)} events failed; first: "
+        ev, first = d.first_failure
+        if d.batched:
+            return describe_error(first, [ev])
+        return (f"{d.failed - failed} of {len(events)} events failed; first: "
                 f"{describe_error(first, [ev])}")
 
     def close(self) -> None:
+        self.delivery.worker.stop()
         self._loop.close()
 
-    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        result = fn(*args)
-        if inspect.isawaitable(result):
-            # Through `_settle`: a SystemExit or KeyboardInterrupt escaping a task would leave
-            # the loop with a stale stop callback, breaking the next run_until_complete.
-            ok, result = self._loop.run_until_complete(_settle(result))
-            if not ok:
-                raise result
-        return result
-
-
-async def _settle(aw: Awaitable[Any]) -> tuple[bool, Any]:
-    try:
-        return True, await aw
-    except BaseException as e:  # re-raised by the caller, outside the loop
-        return False, e
+    def _run(self, aw: Coroutine[Any, Any, T]) -> T:
+        return self._loop.run_until_complete(aw)
 
 
 def describe_error(e: BaseException, events: Sequence[Event] = ()) -> str:
