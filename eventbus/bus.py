@@ -14,12 +14,11 @@ from __future__ import annotations
 import atexit
 import itertools
 import os
-import signal
 import threading
 import time
 import weakref
 from collections.abc import Callable, Hashable, Iterable
-from types import FrameType, TracebackType
+from types import TracebackType
 from typing import Any, TypeVar
 
 import anyio
@@ -27,15 +26,16 @@ import anyio
 from eventbus.agreement import StopAgreement
 from eventbus.capture import capture_event
 from eventbus.control import Control
-from eventbus.core.delivery import Delivery, State, describe, event_types, unique_name
+from eventbus.core.delivery import Delivery, State
 from eventbus.core.inbox import BIG, Attach, Boxed, Detach, Flush, Inbox, InboxMode
 from eventbus.core.loop import BusLoop
-from eventbus.core.queue import POLICIES
+from eventbus.core.signals import SignalDrain
 from eventbus.core.sizing import NUMBERS, checked_fields, sizeof_event
+from eventbus.core.subscriber import describe, positive, subscribe_options, unique_name
+from eventbus.core.subscription import Subscription
 from eventbus.dist import rank_info
 from eventbus.events import Event
-from eventbus.log import get_logger
-from eventbus.stats import BusStats, SubscriberStats
+from eventbus.stats import BusStats, log_close
 from eventbus.steps import PhaseScope, StepScope
 
 __all__ = ["EventBus", "Subscription"]
@@ -45,40 +45,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 _NEW, _RUNNING, _CLOSED, _FORKED = "new", "running", "closed", "forked"
 _time_ns = time.time_ns  # a module global: one lookup less on the hot path
 _CHECKED: dict[type, tuple[str, ...]] = {}
-
-
-class Subscription:
-    """What `subscribe` returns: `.remove()` detaches, `.stats()` reads its counters."""
-
-    def __init__(self, bus: EventBus, delivery: Delivery | None) -> None:
-        self._bus = bus
-        self._delivery = delivery
-
-    @property
-    def name(self) -> str | None:
-        """The subscriber's unique name in `bus.stats()` (None if not active on this rank)."""
-        return self._delivery.name if self._delivery else None
-
-    @property
-    def active(self) -> bool:
-        """False when `ranks=` excluded this rank, or after `remove()`."""
-        return self._delivery is not None and self._delivery.state in (
-            State.PENDING, State.RUNNING, State.DISABLED)
-
-    def remove(self) -> None:
-        """Detach: events published from now on are not routed to it; queued ones still are."""
-        if self._delivery is not None:
-            self._bus._detach(self._delivery)
-
-    def stats(self) -> SubscriberStats | None:
-        """This subscriber's `SubscriberStats` (None if not active on this rank)."""
-        return self._delivery.stats() if self._delivery else None
-
-    def __enter__(self) -> Subscription:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
 
 
 _BUSES: weakref.WeakSet[EventBus] = weakref.WeakSet()
@@ -118,10 +84,10 @@ class EventBus:
         name: str = "eventbus",
         stop_check_every: int = 1,
     ) -> None:
-        _positive("drain_interval", drain_interval, float)
-        _positive("close_timeout", close_timeout, float)
-        _positive("inbox_max_bytes", inbox_max_bytes, int)
-        _positive("queue_max_bytes", queue_max_bytes, int)
+        positive("drain_interval", drain_interval, float)
+        positive("close_timeout", close_timeout, float)
+        positive("inbox_max_bytes", inbox_max_bytes, int)
+        positive("queue_max_bytes", queue_max_bytes, int)
         if not isinstance(inbox_maxsize, int) or inbox_maxsize < 2:
             raise ValueError(f"inbox_maxsize must be an int >= 2, got {inbox_maxsize!r}")
         if not isinstance(stop_check_every, int) or stop_check_every < 1:
@@ -148,8 +114,7 @@ class EventBus:
         self._lifecycle = threading.RLock()
         self._deliveries: list[Delivery] = []  # every subscription made, for stats and names
         self._names: set[str] = set()
-        self._drop_lock = threading.Lock()
-        self._prev_handlers: dict[int, Any] = {}
+        self._signals = SignalDrain(self.close)
         self._exit_hook = False
         _BUSES.add(self)
 
@@ -222,10 +187,7 @@ class EventBus:
         return self._loop.thread_id
 
     def _count_drop(self, ev: Event) -> None:
-        """An event dropped at the inbox: counted for every subscriber that would have had it."""
-        with self._drop_lock:
-            for d in self._loop.router.targets(type(ev), cache=False):
-                d.inbox_dropped += 1
+        self._loop.router.count_drop(ev)
 
     # -- subscribing -----------------------------------------------------------------
 
@@ -248,47 +210,28 @@ class EventBus:
         `ranks`), else: every event, `drop_oldest`, 10,000 queued. Events published after
         this call returns reach it; earlier ones do not.
         """
-        if not (hasattr(sub, "on_events") or callable(sub)):
-            raise TypeError(
-                "subscribe() takes an object with an on_events(batch) method or a function "
-                f"called with one event; got {type(sub).__qualname__}: {sub!r:.80}"
-            )
-        if hasattr(sub, "on_events") and not callable(sub.on_events):
-            raise TypeError(f"{type(sub).__qualname__}.on_events is not callable")
-        types = event_types(events if events is not None else getattr(sub, "events", None))
-        policy = policy or getattr(sub, "policy", None) or "drop_oldest"
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
-        maxsize = maxsize if maxsize is not None else getattr(sub, "maxsize", None) or 10_000
-        if not isinstance(maxsize, int) or maxsize < 1:
-            raise ValueError(f"maxsize must be a positive int, got {maxsize!r}")
-        max_batch = max_batch if max_batch is not None else getattr(sub, "max_batch", None) or 512
-        if not isinstance(max_batch, int) or max_batch < 1:
-            raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
-        placement = placement or getattr(sub, "placement", None) or "thread"
-        if placement not in ("thread", "process"):
-            raise ValueError(f"placement must be 'thread' or 'process', got {placement!r}")
-        ranks = ranks if ranks is not None else getattr(sub, "ranks", None)
-        if (ranks is not None and self.rank not in set(ranks)) or self._state == _FORKED:
-            return Subscription(self, None)
-        if placement == "process":
+        o = subscribe_options(sub, events=events, policy=policy, maxsize=maxsize,
+                              max_batch=max_batch, placement=placement, ranks=ranks)
+        if (o.ranks is not None and self.rank not in o.ranks) or self._state == _FORKED:
+            return Subscription(None, self._detach)
+        if o.placement == "process":
             from eventbus.process import ProcessSubscriber  # the sidecar: loaded when asked
 
             if not isinstance(sub, ProcessSubscriber):
-                sub = ProcessSubscriber(sub, events=types)
+                sub = ProcessSubscriber(sub, events=o.events)
         with self._lifecycle:
             if self._state == _CLOSED:
                 raise RuntimeError("subscribe() on a closed bus: create a new EventBus")
-            d = Delivery(sub, name=unique_name(name or describe(sub), self._names), events=types,
-                         policy=policy, maxsize=maxsize, max_batch=max_batch,
-                         max_bytes=self.queue_max_bytes, key=key,
+            d = Delivery(sub, name=unique_name(name or describe(sub), self._names),
+                         events=o.events, policy=o.policy, maxsize=o.maxsize,
+                         max_batch=o.max_batch, max_bytes=self.queue_max_bytes, key=key,
                          max_consecutive_failures=self.max_consecutive_failures)
             self._deliveries.append(d)
             self._inbox.put_control(Attach(d))
             if self._state == _NEW and not self._exit_hook:
                 atexit.register(self._at_exit)  # events for it must not vanish unstarted
                 self._exit_hook = True
-        return Subscription(self, d)
+        return Subscription(d, self._detach)
 
     def on(self, *events: type[Event], **options: Any) -> Callable[[F], F]:
         """Decorator form: `@bus.on(Loss)` subscribes a sync or async function of one event."""
@@ -323,7 +266,7 @@ class EventBus:
                 atexit.register(self._at_exit)
                 self._exit_hook = True
             if self.handle_signals:
-                self._install_signal_handlers()
+                self._signals.install()
         return self
 
     def __enter__(self) -> EventBus:
@@ -363,54 +306,21 @@ class EventBus:
             if self._state == _CLOSED:
                 return self.stats()
             if self._state == _NEW:
-                if not any(isinstance(x, Event) or type(x) is Boxed for x in self._inbox.items):
+                if not self._inbox.waiting():
                     self._finish()
                     return self.stats()
                 self.start()  # events are waiting for subscribers: deliver them
             timeout = self.close_timeout if timeout is None else max(0.0, timeout)
             deadline = time.monotonic() + timeout
             self._loop.close(deadline)
-        interrupt = self._wait_closed(deadline)
+        interrupt = self._loop.wait_closed(deadline)
         with self._lifecycle:
             if self._loop.alive:  # the loop itself is blocked (sync code inside async def)
-                self._loop_blocked()
+                self._loop.abandon_blocked()
             self._finish()
         if interrupt is not None:
             raise interrupt
         return self.stats()
-
-    def _wait_closed(self, deadline: float) -> KeyboardInterrupt | None:
-        """Wait for the loop to finish; a first Ctrl-C keeps draining, a second gives up."""
-        interrupt: KeyboardInterrupt | None = None
-        while True:
-            try:
-                self._loop.wait(max(0.0, deadline - time.monotonic()) + 0.25)
-                return interrupt
-            except KeyboardInterrupt as e:
-                if interrupt is None:
-                    interrupt = e
-                    get_logger().warning(
-                        "interrupted while closing: still draining lossless subscribers; "
-                        "interrupt again to give up (what is lost is counted)",
-                        seconds_left=round(max(0.0, deadline - time.monotonic()), 1))
-                else:
-                    self._loop.give_up()
-                    deadline = min(deadline, time.monotonic() + 1.0)
-
-    def _loop_blocked(self) -> None:
-        culprit = self._loop.culprit()
-        self._inbox.close()
-        self._loop.router.remaining()
-        for d in self._loop.router.deliveries:
-            d.abandon()
-        if culprit is not None:
-            culprit.state = State.HUNG
-            self._loop.hung += (culprit.name,)
-        get_logger().error(
-            "the bus loop is blocked (sync code inside `async def`?); abandoned it",
-            culprit=culprit.name if culprit else None,
-            busy_with=culprit.busy_with if culprit else None,
-        )
 
     def _finish(self) -> None:
         self._state = _CLOSED
@@ -418,24 +328,10 @@ class EventBus:
         self._loop.router.remaining()  # a publisher racing the close: counted, not stranded
         if self._exit_hook:
             atexit.unregister(self._at_exit)
-        self._restore_signal_handlers()
+        self._signals.restore()
         for d in self._deliveries:
             d.worker.stop()
-        st = self.stats()
-        counts = {n: {"dropped": s.dropped, "failed": s.failed, "state": s.state}
-                  for n, s in st.subscribers.items()
-                  if s.dropped or s.failed or s.state == "hung"}
-        # A `latest` subscriber drops superseded events by design: reported, not alarming.
-        alarming = st.hung or st.rejected or st.feedback_dropped or st.error or any(
-            s.failed or s.state == "hung" or (s.dropped and s.policy != "latest")
-            for s in st.subscribers.values()
-        )
-        if alarming or counts:
-            log = get_logger().warning if alarming else get_logger().info
-            log("eventbus closed with losses" if alarming else "eventbus closed",
-                dropped=st.dropped, failed=st.failed, rejected=st.rejected,
-                feedback_dropped=st.feedback_dropped, hung=list(st.hung), error=st.error,
-                subscribers=counts)
+        log_close(self.stats())
 
     def _at_exit(self) -> None:
         if self._state in (_NEW, _RUNNING):
@@ -463,23 +359,7 @@ class EventBus:
 
     def stats(self) -> BusStats:
         """A snapshot of every counter: bus-wide and per subscriber."""
-        inbox, loop = self._inbox, self._loop
-        waiting = sum(1 for x in list(inbox.items) if isinstance(x, Event) or type(x) is Boxed)
-        error = loop.error
-        return BusStats(
-            published=loop.router.routed + loop.router.lost + inbox.dropped
-            + inbox.feedback_dropped + waiting,
-            rejected=inbox.rejected,
-            inbox_size=waiting,
-            inbox_high_water=inbox.high_water,
-            blocked_s=inbox.blocked_ns / 1e9,
-            wakeups=inbox.wakeups,
-            subscribers={d.name: d.stats() for d in self._deliveries},
-            hung=loop.hung,
-            feedback_dropped=inbox.feedback_dropped,
-            inbox_bytes=inbox.nbytes,
-            error=f"{type(error).__name__}: {error}" if error is not None else None,
-        )
+        return self._loop.stats(self._deliveries)
 
     # -- subscriber state (checkpoints) --------------------------------------------------
 
@@ -505,48 +385,15 @@ class EventBus:
                 raise KeyError(f"no subscriber named {name!r} on this bus; have {sorted(known)}")
             d.sub.load_state_dict(part)
 
-    # -- signals and fork ------------------------------------------------------------
-
-    def _install_signal_handlers(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return  # only the main thread may set handlers; close()/atexit still drain
-        for sig in (signal.SIGTERM,):
-            prev = signal.getsignal(sig)
-            if prev is signal.SIG_IGN:
-                continue  # the process chose to ignore it: so do we
-            self._prev_handlers[sig] = prev
-            signal.signal(sig, self._on_signal)
-
-    def _restore_signal_handlers(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig, prev in self._prev_handlers.items():
-            if signal.getsignal(sig) == self._on_signal:
-                signal.signal(sig, prev)
-        self._prev_handlers.clear()
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        prev = self._prev_handlers.get(signum, signal.SIG_DFL)
-        self.close()  # drains lossless subscribers, then restores the previous handler
-        if callable(prev):
-            prev(signum, frame)
-        elif prev != signal.SIG_IGN:
-            raise SystemExit(128 + signum)
+    # -- fork ------------------------------------------------------------------------
 
     def _forked(self) -> None:
         """In a forked child (DataLoader worker): no thread, no sinks; every call returns."""
         self._state = _FORKED
         self._inbox.reset_after_fork()
         self._lifecycle = threading.RLock()
-        self._drop_lock = threading.Lock()
-        self._prev_handlers.clear()
+        self._signals.forget()
         if self._exit_hook:
             atexit.unregister(self._at_exit)
 
-
-def _positive(name: str, value: Any, kind: type) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0 or (
-        kind is int and not isinstance(value, int)
-    ):
-        raise ValueError(f"{name} must be a positive {kind.__name__}, got {value!r}")
 

@@ -20,7 +20,8 @@ from typing import Any
 import anyio
 
 from eventbus.control import Control
-from eventbus.core.delivery import Delivery, State, describe, event_types, unique_name
+from eventbus.core.delivery import Delivery, State
+from eventbus.core.subscriber import describe, event_types, unique_name
 from eventbus.events import Event
 from eventbus.logformat import PathLike, log_files, log_ranks, read_log, write_events
 from eventbus.stats import BusStats

@@ -18,20 +18,13 @@ from collections.abc import Awaitable, Callable, Hashable, Iterable
 from typing import Any
 
 from eventbus.core.queue import SubscriberQueue
+from eventbus.core.subscriber import takes_argument
 from eventbus.core.worker import ThreadWorker
 from eventbus.events import Event
 from eventbus.log import RateLimiter, get_logger
 from eventbus.stats import SubscriberStats
 
-__all__ = [
-    "Delivery",
-    "State",
-    "SubscriberGone",
-    "describe",
-    "event_types",
-    "takes_argument",
-    "unique_name",
-]
+__all__ = ["Delivery", "State", "SubscriberGone"]
 
 _log_limit = RateLimiter(10.0)
 
@@ -49,48 +42,6 @@ class State(enum.StrEnum):
     REMOVED = "removed"  # `Subscription.remove()`: delivering what was queued, then closed
     CLOSED = "closed"
     HUNG = "hung"  # still inside its code at the close deadline: abandoned
-
-
-def describe(sub: Any) -> str:
-    """A readable default name: the object's `name`, its class, or the function's name."""
-    name = getattr(sub, "name", None)
-    if isinstance(name, str) and name:
-        return name
-    if inspect.isroutine(sub):  # functions, methods, builtins such as `list.append`
-        return str(getattr(sub, "__qualname__", None) or getattr(sub, "__name__", "function"))
-    return type(sub).__name__
-
-
-def event_types(spec: Any) -> tuple[type[Event], ...]:
-    """`events=` (one class, several, or None for all) as a tuple of Event subclasses."""
-    if spec is None:
-        return (Event,)
-    items = (spec,) if isinstance(spec, type) else tuple(spec)
-    if not items:
-        raise ValueError("events= is empty: name at least one Event subclass, or leave it out")
-    for t in items:
-        if not (isinstance(t, type) and issubclass(t, Event)):
-            raise TypeError(f"events= takes Event subclasses (e.g. events=[Loss]); got {t!r}")
-    return items
-
-
-def unique_name(base: str, taken: set[str]) -> str:
-    """`base`, or `base#2`, `base#3`, ...: the first not in `taken` (which it joins)."""
-    name, i = base, 2
-    while name in taken:
-        name, i = f"{base}#{i}", i + 1
-    taken.add(name)
-    return name
-
-
-def takes_argument(fn: Callable[..., Any]) -> bool:
-    """Whether a hook accepts a positional argument (`on_start(self, bus)` vs `on_start(self)`)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return True
-    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
-               for p in params)
 
 
 def _is_async(fn: Any) -> bool:

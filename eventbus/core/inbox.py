@@ -155,6 +155,10 @@ class Inbox:
         self.items.append(item)
         self._wake()
 
+    def waiting(self) -> int:
+        """Events waiting to be routed (control items not counted)."""
+        return sum(1 for x in list(self.items) if type(x) not in CONTROL)
+
     def full(self) -> bool:
         """At its bound in events or in bytes."""
         return len(self.items) >= self.maxsize or self.nbytes >= self.max_bytes
@@ -171,7 +175,7 @@ class Inbox:
             return False
         full = full or self.full()
         if mode == InboxMode.NEW:
-            waiting = sum(1 for x in self.items if type(x) not in CONTROL) if full else 0
+            waiting = self.waiting() if full else 0
             if waiting >= self.maxsize:
                 raise RuntimeError(
                     f"{waiting} events published but the bus was never started: "

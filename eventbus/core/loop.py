@@ -16,7 +16,7 @@ import math
 import sys
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 import anyio
@@ -27,6 +27,7 @@ from eventbus.core.handle import BusHandle
 from eventbus.core.inbox import Inbox, publisher
 from eventbus.core.router import Router
 from eventbus.log import get_logger
+from eventbus.stats import BusStats
 
 __all__ = ["BusLoop"]
 
@@ -94,6 +95,61 @@ class BusLoop:
         """Wait for the thread to finish; False on timeout. Not `Thread.join`: on CPython 3.11
         an interrupted join marks a running thread as stopped."""
         return self._done.wait(timeout)
+
+    def wait_closed(self, deadline: float) -> KeyboardInterrupt | None:
+        """Wait for the shutdown; a first Ctrl-C keeps draining, a second gives up (what is
+        lost is counted). Returns the interrupt, for the caller to raise once closed."""
+        interrupt: KeyboardInterrupt | None = None
+        while True:
+            try:
+                self.wait(max(0.0, deadline - time.monotonic()) + 0.25)
+                return interrupt
+            except KeyboardInterrupt as e:
+                if interrupt is None:
+                    interrupt = e
+                    get_logger().warning(
+                        "interrupted while closing: still draining lossless subscribers; "
+                        "interrupt again to give up (what is lost is counted)",
+                        seconds_left=round(max(0.0, deadline - time.monotonic()), 1))
+                else:
+                    self.give_up()
+                    deadline = min(deadline, time.monotonic() + 1.0)
+
+    def abandon_blocked(self) -> None:
+        """The loop thread is stuck in someone's code: count everything it held as lost and
+        name the subscriber whose code it is running."""
+        culprit = self.culprit()
+        self.inbox.close()
+        self.router.remaining()
+        for d in self.router.deliveries:
+            d.abandon()
+        if culprit is not None:
+            culprit.state = State.HUNG
+            self.hung += (culprit.name,)
+        get_logger().error(
+            "the bus loop is blocked (sync code inside `async def`?); abandoned it",
+            culprit=culprit.name if culprit else None,
+            busy_with=culprit.busy_with if culprit else None,
+        )
+
+    def stats(self, deliveries: Iterable[Delivery]) -> BusStats:
+        """Every counter: the inbox's, the router's, and each subscriber's."""
+        inbox, router, error = self.inbox, self.router, self.error
+        waiting = inbox.waiting()
+        return BusStats(
+            published=router.routed + router.lost + inbox.dropped + inbox.feedback_dropped
+            + waiting,
+            rejected=inbox.rejected,
+            inbox_size=waiting,
+            inbox_high_water=inbox.high_water,
+            blocked_s=inbox.blocked_ns / 1e9,
+            wakeups=inbox.wakeups,
+            subscribers={d.name: d.stats() for d in deliveries},
+            hung=self.hung,
+            feedback_dropped=inbox.feedback_dropped,
+            inbox_bytes=inbox.nbytes,
+            error=f"{type(error).__name__}: {error}" if error is not None else None,
+        )
 
     def culprit(self) -> Delivery | None:
         """The subscriber whose async code the loop thread is executing now (when blocked)."""

@@ -7,6 +7,7 @@ things from another thread: `lossless` (an int) and `deliveries` (a tuple, repla
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -38,6 +39,7 @@ class Router:
         self.routed = 0  # events taken from the inbox and routed
         self.lost = 0  # events still in the inbox when the loop gave up: routed nowhere
         self._routes: dict[type, tuple[Delivery, ...]] = {}
+        self._drop_lock = threading.Lock()
         self._start = start
         self._retire = retire
         self._spawn = spawn
@@ -54,6 +56,13 @@ class Router:
             if cache:
                 self._routes[cls] = t
         return t
+
+    def count_drop(self, ev: Event) -> None:
+        """An event dropped at the inbox (publisher's thread): counted for every subscriber
+        that would have had it."""
+        with self._drop_lock:
+            for d in self.targets(type(ev), cache=False):
+                d.inbox_dropped += 1
 
     async def drain(self, chunk: int = 4096, *, force: bool = False) -> None:
         """Route, in order, what the inbox holds now (at most `chunk` items).

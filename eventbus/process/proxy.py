@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from eventbus.core.delivery import describe
+from eventbus.core.subscriber import describe
 from eventbus.core.worker import ThreadWorker
 from eventbus.events import Event
 from eventbus.loader import SHORT_NAMES, load_object

@@ -1,0 +1,59 @@
+"""`SignalDrain`: on SIGTERM, close the bus (draining lossless subscribers), then do what the
+process did before: run the handler that was installed, or exit with 128 + the signal.
+
+torchrun and SLURM send SIGTERM before they kill; without this, what the bus held was lost.
+Only the main thread may set handlers: elsewhere it installs nothing (close and atexit still
+drain). A process that ignores SIGTERM keeps ignoring it.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+__all__ = ["SignalDrain"]
+
+SIGNALS = (signal.SIGTERM,)
+
+
+class SignalDrain:
+    """Installs `close` as the SIGTERM handler, chaining the one it replaces."""
+
+    def __init__(self, close: Callable[[], Any]) -> None:
+        self._close = close
+        self._prev: dict[int, Any] = {}
+
+    def install(self) -> None:
+        """Install (main thread only); the previous handlers are kept for chaining."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in SIGNALS:
+            prev = signal.getsignal(sig)
+            if prev is signal.SIG_IGN:
+                continue
+            self._prev[sig] = prev
+            signal.signal(sig, self._on_signal)
+
+    def restore(self) -> None:
+        """Put back what was there, unless someone replaced us meanwhile."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig, prev in self._prev.items():
+            if signal.getsignal(sig) == self._on_signal:
+                signal.signal(sig, prev)
+        self._prev.clear()
+
+    def forget(self) -> None:
+        """In a forked child: the handlers are the parent's business."""
+        self._prev.clear()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        prev = self._prev.get(signum, signal.SIG_DFL)
+        self._close()  # drains lossless subscribers, then restores the previous handler
+        if callable(prev):
+            prev(signum, frame)
+        elif prev != signal.SIG_IGN:
+            raise SystemExit(128 + signum)
