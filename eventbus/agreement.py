@@ -192,7 +192,3 @@ class StopAgreement:
             "stop agreed across ranks", abort=bool(abort), asked_on_rank=requester - 1,
             rank=dist.get_rank(), check=self.checks,
         )
-
-    def close(self) -> None:
-        """Forget a collective still in flight (overlap); the group may already be gone."""
-        self._work = None
