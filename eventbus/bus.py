@@ -65,8 +65,10 @@ class EventBus:
     Use `with EventBus() as bus:` (or `start()` / `close()`). `drain_interval`: how often the
     bus thread wakes to route (each wake costs the loop a GIL hand-over). The inbox is bounded
     in events (`inbox_maxsize`) and bytes (`inbox_max_bytes`, events of 1 KiB or more);
-    `queue_max_bytes` bounds each subscriber's queue likewise. `handle_signals`: drain on
-    SIGTERM (as torchrun and SLURM send before a kill), then run the handler that was there.
+    `queue_max_bytes` bounds each subscriber's queue likewise. `hang_timeout`: a lossless
+    subscriber stuck in one call this long while its full queue holds the bus up is disabled
+    (None: wait forever). `handle_signals`: drain on SIGTERM (as torchrun and SLURM send
+    before a kill), then run the handler that was there.
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class EventBus:
         inbox_max_bytes: int = 256 << 20,
         queue_max_bytes: int = 256 << 20,
         close_timeout: float = 30.0,
+        hang_timeout: float | None = 60.0,
         handle_signals: bool = True,
         max_consecutive_failures: int | None = 100,
         rank: int | None = None,
@@ -86,6 +89,8 @@ class EventBus:
     ) -> None:
         positive("drain_interval", drain_interval, float)
         positive("close_timeout", close_timeout, float)
+        if hang_timeout is not None:
+            positive("hang_timeout", hang_timeout, float)
         positive("inbox_max_bytes", inbox_max_bytes, int)
         positive("queue_max_bytes", queue_max_bytes, int)
         if not isinstance(inbox_maxsize, int) or inbox_maxsize < 2:
@@ -107,7 +112,8 @@ class EventBus:
             self.control.agree = StopAgreement(self.control, every=stop_check_every)
         self._inbox = Inbox(inbox_maxsize, inbox_max_bytes, waits=self._lossless,
                             drop=self._count_drop, loop_thread=self._loop_thread)
-        self._loop = BusLoop(self._inbox, self, name=name, interval=drain_interval)
+        self._loop = BusLoop(self._inbox, self, name=name, interval=drain_interval,
+                             hang_timeout=hang_timeout)
         self._put = self._inbox.put
         self._seq = itertools.count()
         self._state = _NEW
@@ -279,7 +285,8 @@ class EventBus:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every subscriber handled what was published before, then ran its
-        `on_flush` (a file sink's lines are then on disk); False on timeout."""
+        `on_flush` (a file sink's lines are then on disk); False after `timeout` (default
+        `close_timeout`: a hung subscriber cannot hold the caller forever)."""
         with self._lifecycle:
             if self._state != _RUNNING or not self._loop.alive:
                 return self._state == _CLOSED
@@ -287,7 +294,7 @@ class EventBus:
                 raise RuntimeError("flush() would deadlock when called from a subscriber")
             marker = Flush()
             self._inbox.put_control(marker)
-        return marker.done.wait(timeout)
+        return marker.done.wait(self.close_timeout if timeout is None else timeout)
 
     def close(self, timeout: float | None = None) -> BusStats:
         """Drain every subscriber, call their `on_close`, stop the thread; idempotent.

@@ -39,6 +39,8 @@ RULES: dict[str, _Rule] = {
     "inbox_max_bytes": _Rule("a positive int (bytes)", _int_from(1)),
     "queue_max_bytes": _Rule("a positive int (bytes)", _int_from(1)),
     "close_timeout": _Rule("> 0 seconds (a finite number)", _seconds),
+    "hang_timeout": _Rule("> 0 seconds (JSON null: wait forever)",
+                          lambda v: v is None or _seconds(v)),
     "handle_signals": _Rule("true or false", lambda v: type(v) is bool),
     "max_consecutive_failures": _Rule("an int >= 1 (JSON null: never disable)",
                                       lambda v: v is None or _int_from(1)(v)),

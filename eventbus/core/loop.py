@@ -37,13 +37,16 @@ _TICK = 0.001  # how often shutdown looks whether a subscriber is idle
 class BusLoop:
     """Owns the bus thread: routing while running, then the ordered, bounded shutdown."""
 
-    def __init__(self, inbox: Inbox, handle: BusHandle, *, name: str, interval: float) -> None:
+    def __init__(
+        self, inbox: Inbox, handle: BusHandle, *, name: str, interval: float,
+        hang_timeout: float | None = None,
+    ) -> None:
         self.inbox = inbox
         self.handle = handle
         self.name = name
         self.interval = interval
         self.router = Router(inbox, start=self._start, retire=self._retire, spawn=self._spawn,
-                             poll_max=interval)
+                             poll_max=interval, hang_timeout=hang_timeout)
         self.thread: threading.Thread | None = None
         self.thread_id: int | None = None
         self.error: BaseException | None = None  # what ended the loop, if not a close

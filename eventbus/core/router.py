@@ -7,7 +7,9 @@ things from another thread: `lossless` (an int) and `deliveries` (a tuple, repla
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -32,6 +34,7 @@ class Router:
         retire: Callable[[Delivery], None],
         spawn: Callable[[Callable[[], Coroutine[Any, Any, None]]], None],
         poll_max: float,
+        hang_timeout: float | None = None,
     ) -> None:
         self.inbox = inbox
         self.deliveries: tuple[Delivery, ...] = ()  # attached and not removed
@@ -44,6 +47,7 @@ class Router:
         self._retire = retire
         self._spawn = spawn
         self._poll_max = poll_max
+        self._hang_timeout = hang_timeout
 
     def targets(self, cls: type, *, cache: bool = True) -> tuple[Delivery, ...]:
         """The subscribers that take `cls` (a base class receives subclasses), cached by type.
@@ -93,13 +97,31 @@ class Router:
                 if not q.put_nowait(item, nbytes, force=force):
                     inbox.space()  # room in the inbox while this queue is full
                     try:
-                        await q.put(item, nbytes)
+                        await self._wait_for_room(d, item, nbytes)
                     except anyio.get_cancelled_exc_class():  # the loop gave up (deadline)
                         for lost in targets[i:]:
                             lost.lost_at_close += 1
                         raise
                 d.routed += 1
         inbox.space()  # publishers waiting on a full inbox look again
+
+    async def _wait_for_room(self, d: Delivery, ev: Event, nbytes: int) -> None:
+        """Backpressure: wait until `d` takes from its full queue. One stuck in a single call
+        for `hang_timeout` is hung: disabled (what reaches it is counted dropped), so that
+        no subscriber can hold the training thread forever."""
+        q = d.queue
+        assert q is not None
+        while True:
+            with anyio.move_on_after(self._hang_timeout or math.inf):
+                await q.put(ev, nbytes)
+                return
+            since = d.busy_since
+            if since is not None and time.monotonic() - since >= (self._hang_timeout or 0):
+                d.disable(f"hung: inside one call for over {self._hang_timeout} s while its "
+                          "full queue held the bus up")
+                self.refresh()
+                q.put_nowait(ev, nbytes)  # disabled: counted as dropped
+                return
 
     async def _resolve(self, ev: Event) -> None:
         """Wait (polling, never blocking the loop) for its device->host copies, then read them."""

@@ -42,3 +42,40 @@ def test_subscribed_and_removed_before_start_never_runs() -> None:
     with bus:
         bus.publish(Loss(step=1, value=1.0))
     assert calls == [] and not handle.active
+
+
+def test_a_hung_lossless_subscriber_cannot_hold_training_forever() -> None:
+    import threading
+
+    release = threading.Event()
+
+    class Hangs:
+        policy = "block"
+
+        def on_events(self, batch: list[Event]) -> None:
+            release.wait(60)
+
+    rec = Recorder()
+    bus = EventBus(drain_interval=0.002, hang_timeout=0.5, inbox_maxsize=64)
+    bus.subscribe(rec)
+    hung = bus.subscribe(Hangs(), name="hung", maxsize=8, max_batch=1)
+    done = threading.Event()
+
+    def train() -> None:
+        for i in range(2000):  # far more than its queue and the inbox hold
+            bus.publish(Loss(step=i, value=1.0))
+        done.set()
+
+    bus.start()
+    try:
+        threading.Thread(target=train, daemon=True).start()
+        assert done.wait(30), "training blocked forever behind a hung lossless subscriber"
+        st = hung.stats()
+        assert st is not None and st.state == "disabled"
+    finally:
+        release.set()
+        total = bus.close(timeout=5)
+    assert len(rec.got) == 2000  # the innocent lossless one lost nothing
+    h = total["hung"]
+    assert h.published == h.delivered + h.failed + h.dropped + h.queued
+    assert h.dropped > 0
