@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import atexit
 import itertools
-import os
 import threading
 import time
-import weakref
 from collections.abc import Callable, Hashable, Iterable
 from types import TracebackType
 from typing import Any, TypeVar
@@ -27,6 +25,7 @@ from eventbus.agreement import StopAgreement
 from eventbus.capture import capture_event
 from eventbus.control import Control
 from eventbus.core.delivery import Delivery, State
+from eventbus.core.fork import call_after_fork
 from eventbus.core.inbox import BIG, Attach, Boxed, Detach, Flush, Inbox, InboxMode
 from eventbus.core.loop import BusLoop
 from eventbus.core.signals import SignalDrain
@@ -45,18 +44,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 _NEW, _RUNNING, _CLOSED, _FORKED = "new", "running", "closed", "forked"
 _time_ns = time.time_ns  # a module global: one lookup less on the hot path
 _CHECKED: dict[type, tuple[str, ...]] = {}
-
-
-_BUSES: weakref.WeakSet[EventBus] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for bus in list(_BUSES):
-        bus._forked()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class EventBus:
@@ -122,7 +109,7 @@ class EventBus:
         self._names: set[str] = set()
         self._signals = SignalDrain(self.close)
         self._exit_hook = False
-        _BUSES.add(self)
+        call_after_fork(self._forked)
 
     # -- publishing ------------------------------------------------------------------
 
