@@ -101,7 +101,6 @@ class EventBus:
                             drop=self._count_drop, loop_thread=self._loop_thread)
         self._loop = BusLoop(self._inbox, self, name=name, interval=drain_interval,
                              hang_timeout=hang_timeout)
-        self._put = self._inbox.put
         self._seq = itertools.count()
         self._state = _NEW
         self._lifecycle = threading.RLock()
@@ -144,7 +143,12 @@ class EventBus:
                 continue
             self._publish_slow(ev, names)  # a tensor, a container or a long text
             return
-        self._put(ev)
+        inbox = self._inbox
+        items = inbox.items
+        if len(items) < inbox.fast_limit:  # live and far from full: a bare append
+            items.append(ev)
+        else:
+            inbox.put(ev)
 
     def _publish_slow(self, ev: Event, names: tuple[str, ...]) -> None:
         nbytes = sizeof_event(ev, names)  # sizes are host metadata: no device sync
@@ -154,7 +158,7 @@ class EventBus:
         if captured or nbytes >= BIG:
             self._inbox.put_boxed(Boxed(ev, nbytes if nbytes >= BIG else 0, captured))
         else:
-            self._put(ev)
+            self._inbox.put(ev)
 
     async def apublish(self, ev: Event) -> None:
         """`publish` for async code: waits without blocking the caller's event loop."""

@@ -106,7 +106,8 @@ class Inbox:
     ) -> None:
         self.maxsize = maxsize
         self.max_bytes = max_bytes
-        self.mode = InboxMode.NEW
+        self._mode = InboxMode.NEW
+        self.fast_limit = 0  # publishers may append directly while fewer items wait
         self.items: deque[Any] = deque()
         self.nbytes = 0  # bytes of the big events waiting (see BIG)
         self.high_water = 0
@@ -130,12 +131,26 @@ class Inbox:
     def __len__(self) -> int:
         return len(self.items)
 
+    @property
+    def mode(self) -> str:
+        """`InboxMode.NEW`, `LIVE` or `CLOSED`."""
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: str) -> None:
+        self._mode = mode
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """The fast path is open only while live and below the wake-up mark."""
+        self.fast_limit = self._wake_at if self._mode == InboxMode.LIVE else 0
+
     # -- publishers ---------------------------------------------------------------------
 
     def put(self, item: Any) -> None:
         """Queue an event (or a `Boxed` one); waits only for a lossless subscriber's room."""
         items = self.items
-        if (len(items) >= self._wake_at or self.mode != InboxMode.LIVE) and not self._admit(item):
+        if len(items) >= self.fast_limit and not self._admit(item):
             return
         items.append(item)
 
@@ -281,6 +296,7 @@ class Inbox:
         while closing still arrives; a feedback storm cannot hold the close open)."""
         self._close_budget = self.maxsize
         self._wake_at = 0  # every put takes the slow path, which counts
+        self._refresh()
 
     def space(self) -> None:
         """Tell waiting publishers to look again (the loop drained, or ended)."""
