@@ -399,11 +399,6 @@ def test_second_ctrl_c_gives_up_and_counts_exactly_what_is_lost(
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.xfail(
-    strict=True,
-    reason="BusLoop._count_losses abandons a busy subscriber (state "
-    "'hung') without adding it to BusLoop.hung, so BusStats.hung is empty",
-)
 def test_second_ctrl_c_names_the_stuck_subscriber_in_hung(
     interrupted: Callable[[str], Interrupted],
 ) -> None:
@@ -412,12 +407,6 @@ def test_second_ctrl_c_names_the_stuck_subscriber_in_hung(
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.xfail(
-    strict=True,
-    reason="give_up cancels the awaited on_close, whose `finally` "
-    "clears busy_since before _count_losses runs: the subscriber stays 'running' "
-    "and its abandoned on_close is reported nowhere",
-)
 def test_second_ctrl_c_during_a_stuck_on_close_names_it(
     interrupted: Callable[[str], Interrupted],
 ) -> None:

@@ -294,19 +294,28 @@ class BusLoop:
                 await anyio.sleep(_TICK)
 
     async def _close_one(self, d: Delivery, deadline: float) -> None:
-        """Drain `d`, then its `on_close`, by `deadline`; else name it hung and abandon it."""
-        with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
-            while len(self.inbox) or not d.idle:
-                await anyio.sleep(_TICK)
-            await d.call_hook("on_close")
-            d.state = State.CLOSED
-            if d.queue is not None:
-                d.queue.close()
-            d.worker.stop()
+        """Drain `d`, then its `on_close`, by `deadline`; else name it hung and abandon it.
+
+        Also when the whole shutdown is given up (a second Ctrl-C) while we wait here."""
+        closing = closed = False
+        try:
+            with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
+                while len(self.inbox) or not d.idle:
+                    await anyio.sleep(_TICK)
+                closing = True
+                await d.call_hook("on_close")
+                closed = True
+                d.state = State.CLOSED
+                if d.queue is not None:
+                    d.queue.close()
+                d.worker.stop()
+        finally:
+            if not closed:
+                if closing or d.busy_since is not None:
+                    self._hang(d)  # inside its own code: named
+                else:
+                    d.abandon()  # only waiting its turn: counted, not blamed
             self.router.refresh()  # nothing is routed to it any more
-            return
-        self._hang(d)
-        self.router.refresh()
 
     def _hang(self, d: Delivery) -> None:
         lost = d.abandon()
@@ -321,7 +330,11 @@ class BusLoop:
         """What the inbox and the queues still hold will not be delivered: count it."""
         self.router.remaining()
         for d in self.router.deliveries + tuple(self._retiring):
-            if d.state not in (State.CLOSED, State.HUNG):
+            if d.state in (State.CLOSED, State.HUNG):
+                continue
+            if d.busy_since is not None:
+                self._hang(d)  # abandoned inside its own code: named
+            else:
                 d.abandon()
 
 
