@@ -50,6 +50,7 @@ LAYERS: dict[str, str] = {
     # the delivery engine and what it stands on
     "eventbus.core": CORE,
     "eventbus.core.delivery": CORE,
+    "eventbus.core.fork": CORE,
     "eventbus.core.handle": CORE,
     "eventbus.core.inbox": CORE,
     "eventbus.core.loop": CORE,
@@ -62,7 +63,11 @@ LAYERS: dict[str, str] = {
     "eventbus.core.worker": CORE,
     "eventbus.agreement": CORE,
     "eventbus.capture": CORE,
+    "eventbus._capture_pending": CORE,
+    "eventbus._capture_pools": CORE,
     "eventbus.codec": CORE,
+    "eventbus._codec_classes": CORE,
+    "eventbus._codec_values": CORE,
     "eventbus.control": CORE,
     "eventbus.dist": CORE,
     "eventbus.loader": CORE,
@@ -79,6 +84,7 @@ LAYERS: dict[str, str] = {
     # the concrete subscribers: use the core's public API, never the bus
     "eventbus.sinks": SUBSCRIBERS,
     "eventbus.sinks._files": SUBSCRIBERS,
+    "eventbus.sinks._jsonl_file": SUBSCRIBERS,
     "eventbus.sinks._text": SUBSCRIBERS,
     "eventbus.sinks.console": SUBSCRIBERS,
     "eventbus.sinks.jsonl": SUBSCRIBERS,
@@ -96,6 +102,9 @@ LAYERS: dict[str, str] = {
     "eventbus.replay": FACADE,
     "eventbus.subscriber": FACADE,
     "eventbus.torch": FACADE,
+    "eventbus._torch_hooks": FACADE,
+    "eventbus._torch_stats": FACADE,
+    "eventbus._torch_watch": FACADE,
     # on top: the package face, configuration, the command line, framework bridges, tools
     "eventbus": TOP,
     "eventbus._catalogue": TOP,
