@@ -1,20 +1,18 @@
 """JsonlWriter: every event as one JSON line, written in batches from the bus side.
 
 Lossless by default (`policy = "block"`). Each batch the bus hands over becomes one
-`os.write` on an unbuffered, append-only descriptor: nothing sits in a Python file buffer, so
-a forked child (a DataLoader worker) has nothing of ours to flush a second time, and a
-`tail -f` sees lines within a drain interval. A write that fails (disk full, I/O error) marks
-the writer failed: it raises from `on_events` from then on, so the bus counts every event it
-could not keep, and after the bus's consecutive-failure limit the bus disables it. Lines held
-by `flush_interval` and lost in a later write are counted exactly in `lines_lost`, carried by
-the next error raised (`JsonlWriteError.earlier_lost`) and reported at close.
+`os.write` on an unbuffered, append-only descriptor (the file: `eventbus.sinks._jsonl_file`),
+so a `tail -f` sees lines within a drain interval. A write that fails (disk full, I/O error)
+marks the writer failed: it raises from `on_events` from then on, so the bus counts every
+event it could not keep, and after the bus's consecutive-failure limit the bus disables it.
+Lines held by `flush_interval` and lost in a later write are counted exactly in `lines_lost`,
+carried by the next error raised (`JsonlWriteError.earlier_lost`) and reported at close.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import os
 import socket
 import threading
@@ -23,8 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-import orjson
-
 import eventbus
 from eventbus import Event
 from eventbus.codec import encode
@@ -32,21 +28,12 @@ from eventbus.events import CheckpointLoaded, RunStarted
 from eventbus.log import RateLimiter, get_logger
 from eventbus.logformat import SKIPPED_TYPE, STATS_TYPE, header, record
 from eventbus.sinks._files import check_writable_dir, check_writable_file
+from eventbus.sinks._jsonl_file import JsonlFile, JsonlWriteError
 
 __all__ = ["JsonlWriteError", "JsonlWriter", "JsonlWriterStats"]
 
 _log_limit = RateLimiter(30.0)
 _WRITERS: list[JsonlWriter] = []  # for the fork hook; a writer removes itself at close
-
-
-class JsonlWriteError(OSError):
-    """The log could not be written (disk full, I/O error); the writer is marked failed.
-
-    `earlier_lost`: events of earlier batches (held by `flush_interval`, so counted delivered
-    when handed over) that this failure lost, besides the batch being handed over now.
-    """
-
-    earlier_lost: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,20 +109,13 @@ class JsonlWriter:
         self._resume_from = resume_from_step
         self._bus: Any = None
         self._lock = threading.RLock()
-        self._fd: int | None = None
-        self._path: Path | None = None
-        self._pid = os.getpid()
-        self._buf = bytearray()
-        self._buf_lines = 0  # event lines (markers included) in the buffer
-        self._buf_records = 0  # header / stats records in the buffer
-        self._last_write = time.monotonic()
+        self._file = JsonlFile()
         self._last_step: int | None = None
-        self._error: OSError | None = None
         self._closed = False
         self._timer: threading.Thread | None = None
         self._timer_stop = threading.Event()
-        self._n = dict.fromkeys(("lines", "bytes", "oversize", "unserialisable", "lost",
-                                 "lost_held", "truncated", "torn"), 0)
+        self._oversize = 0  # events replaced by a marker: line over max_line_bytes
+        self._unserialisable = 0  # events replaced by a marker: a field JSON cannot hold
         self._unreported = 0  # held lines lost in the timer thread, not yet raised to the bus
 
     # -- where ----------------------------------------------------------------------------
@@ -143,8 +123,8 @@ class JsonlWriter:
     @property
     def path(self) -> Path:
         """The file written: final once the bus started (rank and world size known then)."""
-        if self._path is not None:
-            return self._path
+        if self._file.path is not None:
+            return self._file.path
         return self._resolve(self.rank or 0, self.world_size or 1)
 
     def _resolve(self, rank: int, world_size: int) -> Path:
@@ -174,16 +154,15 @@ class JsonlWriter:
         An event that cannot be encoded (any exception) becomes a counted marker line naming
         its type and field; the rest of the batch is written.
         """
+        f = self._file
         with self._lock:
-            if self._error is not None:
-                self._n["lost"] += len(batch)
-                err = JsonlWriteError(
-                    self._error.errno, f"JSONL writer failed earlier ({self._error}); "
-                    f"{len(batch)} events not written to {self.path}")
+            if f.error is not None:
+                err = f.refuse(len(batch))
                 err.earlier_lost, self._unreported = self._unreported, 0
                 raise err
-            if self._fd is None:
+            if f.fd is None:
                 self._open()
+            lines = bytearray()
             n = 0
             try:
                 for ev in batch:
@@ -191,20 +170,21 @@ class JsonlWriter:
                     if (t is CheckpointLoaded or t is RunStarted) and self.truncate_on_resume:
                         step = ev.step if t is CheckpointLoaded else ev.resumed_from_step  # type: ignore[attr-defined]
                         if step is not None:
-                            self._buf_lines += n
+                            f.hold(lines, n)
+                            lines.clear()
                             n = 0
-                            self._truncate_after(step)
-                    self._buf += self._line(ev)
+                            f.truncate_after(step)
+                    lines += self._line(ev)
                     n += 1
                     s = ev.step
                     if type(s) is int and (self._last_step is None or s > self._last_step):
                         self._last_step = s
             finally:
-                self._buf_lines += n
-            if (self.flush_interval == 0.0 or len(self._buf) >= self.buffer_bytes
-                    or time.monotonic() - self._last_write >= self.flush_interval):
+                f.hold(lines, n)
+            if (self.flush_interval == 0.0 or f.held_bytes >= self.buffer_bytes
+                    or time.monotonic() - f.last_write >= self.flush_interval):
                 try:
-                    self._write_out()
+                    f.write_out()
                 except JsonlWriteError as e:  # this batch is counted failed by the bus
                     e.earlier_lost = max(0, e.earlier_lost - len(batch))
                     raise
@@ -216,7 +196,7 @@ class JsonlWriter:
         try:
             line = encode(ev)
         except Exception as e:  # EventEncodeError, or anything a user's value raised
-            self._n["unserialisable"] += 1
+            self._unserialisable += 1
             field = getattr(e, "field", None)
             _warn("event not written: a field cannot be serialised", key=(t, "encode"),
                   event_type=t.__name__, field=field, step=ev.step, error=str(e))
@@ -224,7 +204,7 @@ class JsonlWriter:
                                  error=f"{type(e).__name__}: {e}"[:1000])
         cap = self.max_line_bytes
         if len(line) > cap:
-            self._n["oversize"] += 1
+            self._oversize += 1
             _warn("event not written: its line is over max_line_bytes",
                   key=(t, "size"), event_type=t.__name__, step=ev.step,
                   size=len(line), max_line_bytes=cap)
@@ -234,9 +214,9 @@ class JsonlWriter:
     def on_flush(self) -> None:
         """Write what is held (a `flush_interval` > 0 holds lines between writes)."""
         with self._lock:
-            if self._error is None:
+            if self._file.error is None:
                 try:
-                    self._write_out()
+                    self._file.write_out()
                 except JsonlWriteError as e:  # held lines, delivered earlier: the next batch
                     self._unreported += e.earlier_lost  # raises them to the bus
                     e.earlier_lost = 0
@@ -249,26 +229,26 @@ class JsonlWriter:
         and the loss is logged with its exact counts.
         """
         self._timer_stop.set()
+        f = self._file
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             try:
-                if self._fd is not None:
-                    if self._error is None:
+                if f.fd is not None:
+                    if f.error is None:
                         with contextlib.suppress(JsonlWriteError):
-                            self._write_out()
+                            f.write_out()
                     self._append_stats()
-                    if self.fsync and self._error is None:
-                        os.fsync(self._fd)
+                    if self.fsync and f.error is None:
+                        f.fsync()
             finally:
-                self._close_fd()
-                if self._error is not None:
-                    n = self._n
+                self._close_file()
+                if f.error is not None:
                     get_logger().error(
                         "JSONL writer closed after a write failure: events were lost",
-                        path=str(self._path), error=str(self._error), lines_written=n["lines"],
-                        lines_lost=n["lost"], lines_lost_held=n["lost_held"])
+                        path=str(f.path), error=str(f.error), lines_written=f.lines_written,
+                        lines_lost=f.lines_lost, lines_lost_held=f.lines_lost_held)
 
     # -- checkpoints -----------------------------------------------------------------------
 
@@ -276,7 +256,7 @@ class JsonlWriter:
         """The last step written and the file: `load_state_dict` on resume drops later lines."""
         with self._lock:
             return {"step": self._last_step, "path": str(self.path),
-                    "lines": self._n["lines"]}
+                    "lines": self._file.lines_written}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at `state["step"]`: lines with a later step are removed (now, or at open)."""
@@ -286,187 +266,44 @@ class JsonlWriter:
         if not isinstance(step, int):
             raise TypeError(f"state['step'] must be an int, got {step!r}")
         with self._lock:
-            if self._fd is None:
+            if self._file.fd is None:
                 self._resume_from = step
-            elif self._error is None:
-                self._write_out()
-                self._truncate_after(step)
+            elif self._file.error is None:
+                self._file.write_out()
+                self._file.truncate_after(step)
 
     def stats(self) -> JsonlWriterStats:
         """This writer's own counters (lines, skipped events, lost lines, resume repairs)."""
-        n = self._n
+        f = self._file
         return JsonlWriterStats(
-            path=str(self._path) if self._path else None, lines_written=n["lines"],
-            bytes_written=n["bytes"], skipped_oversize=n["oversize"],
-            skipped_unserialisable=n["unserialisable"], lines_lost=n["lost"],
-            lines_lost_held=n["lost_held"],
-            lines_truncated=n["truncated"], torn_lines_repaired=n["torn"],
-            failed=str(self._error) if self._error else None,
+            path=str(f.path) if f.path else None, lines_written=f.lines_written,
+            bytes_written=f.bytes_written, skipped_oversize=self._oversize,
+            skipped_unserialisable=self._unserialisable, lines_lost=f.lines_lost,
+            lines_lost_held=f.lines_lost_held,
+            lines_truncated=f.lines_truncated, torn_lines_repaired=f.torn_lines_repaired,
+            failed=str(f.error) if f.error else None,
         )
 
-    # -- file work (called with the lock held) ------------------------------------------------
+    # -- the file (called with the lock held) -------------------------------------------------
 
     def _open(self) -> None:
         if self._closed:
             raise RuntimeError("this JsonlWriter was closed; create a new one")
-        path = self._resolve(self.rank or 0, self.world_size or 1)
-        self._path = path
-        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
-        if self.overwrite and self._resume_from is None:
-            flags |= os.O_TRUNC
-        try:
-            self._fd = os.open(path, flags, 0o644)
-        except OSError as e:
-            raise type(e)(e.errno, f"JsonlWriter cannot open {str(path)!r}: {e.strerror}") from e
-        self._pid = os.getpid()
-        if _regular(self._fd):
-            self._repair_and_resume(path)
-        self._buf += header(
+        self._file.open(self._resolve(self.rank or 0, self.world_size or 1),
+                        truncate=self.overwrite and self._resume_from is None,
+                        resume_from=self._resume_from)
+        self._file.hold_record(header(
             rank=self.rank or 0, world_size=self.world_size or 1, pid=os.getpid(),
             host=socket.gethostname(), eventbus_version=eventbus.__version__,
             ts=time.time_ns(), resumed_from_step=self._resume_from,
             max_line_bytes=self.max_line_bytes,
-        )
-        self._buf_records += 1
+        ))
         self._resume_from = None
         if self.flush_interval > 0 and self._timer is None:
             self._timer = threading.Thread(target=self._tick, name="eventbus-jsonl-flush",
                                            daemon=True)
             self._timer.start()
         _WRITERS.append(self)
-
-    def _repair_and_resume(self, path: Path) -> None:
-        if self._resume_from is not None:
-            self._truncate_after(self._resume_from)
-            return
-        size = os.fstat(self._fd).st_size  # type: ignore[arg-type]
-        if size == 0:
-            return
-        with open(path, "rb") as f:  # a torn last line would glue onto our header: cut it
-            f.seek(max(0, size - (1 << 16)))
-            tail = f.read()
-        if tail.endswith(b"\n"):
-            return
-        nl = tail.rfind(b"\n")
-        keep = size - len(tail) + nl + 1 if nl >= 0 else (0 if size <= (1 << 16) else None)
-        if keep is None:  # a torn line longer than 64 KiB: scan the whole file
-            self._truncate_after(None)
-            return
-        os.truncate(path, keep)
-        self._n["torn"] += 1
-        get_logger().warning("JSONL log ended with a partial line (a crash mid-write); removed",
-                             path=str(path), bytes_removed=size - keep)
-
-    def _truncate_after(self, step: int | None) -> None:
-        """Keep lines with step <= `step`, and step-less lines before the first later step;
-        drop the rest and a torn last line. `None` only repairs the torn line."""
-        self._write_out()
-        path = self._path
-        if path is None or self._fd is None or not _regular(self._fd):
-            return
-        cut: int | None = None
-        kept_after: list[bytes] = []
-        dropped = 0
-        end = 0
-        torn = False
-        with open(path, "rb") as f:
-            for line in f:
-                if not line.endswith(b"\n"):
-                    torn = True
-                    break
-                s = _step_of(line)
-                if cut is None:
-                    if step is not None and s is not None and s > step:
-                        cut = end
-                        dropped += 1
-                elif s is not None and step is not None and s <= step:
-                    kept_after.append(line)
-                else:
-                    dropped += 1
-                end += len(line)
-        if torn:
-            self._n["torn"] += 1
-            get_logger().warning("JSONL log ended with a partial line (a crash mid-write); "
-                                 "removed", path=str(path))
-        if cut is None:
-            if torn:
-                os.ftruncate(self._fd, end)
-            return
-        if not kept_after:
-            os.ftruncate(self._fd, cut)
-        else:  # lines for earlier steps after the cut (a late eval, a monitor): rewrite
-            tmp = path.with_name(path.name + ".resume-tmp")
-            with open(path, "rb") as src, open(tmp, "wb") as dst:
-                dst.write(src.read(cut))
-                dst.writelines(kept_after)
-                dst.flush()
-                os.fsync(dst.fileno())
-            os.replace(tmp, path)
-            os.close(self._fd)
-            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
-        self._n["truncated"] += dropped
-        get_logger().info("JSONL log resumed: later steps removed", path=str(path),
-                          resume_step=step, lines_removed=dropped)
-
-    def _write_out(self) -> None:
-        """Write the buffer; on an error count exactly the event lines lost, raise."""
-        buf = self._buf
-        if not buf or self._fd is None:
-            return
-        n_lines, n_records = self._buf_lines, self._buf_records
-        data = bytes(buf)
-        buf.clear()
-        self._buf_lines = self._buf_records = 0
-        self._last_write = time.monotonic()
-        if os.getpid() != self._pid:
-            return  # a forked child: the parent owns these lines and this file
-        if self._error is not None:  # only the stats record is tried after a failure
-            with contextlib.suppress(_PartialWrite):
-                self._write_all(data)
-            return
-        try:
-            self._write_all(data)
-        except _PartialWrite as p:
-            e = p.error
-            # Complete lines that made it before the error (records come first in a buffer).
-            written = min(n_lines, max(0, data.count(b"\n", 0, p.done) - n_records))
-            lost = n_lines - written
-            self._n["lines"] += written
-            self._fail(e, lost)
-            err = JsonlWriteError(
-                e.errno, f"JSONL writer failed: {e.strerror or e} writing {self._path}; "
-                f"{self._n['lost']} events lost so far, later events are not written")
-            err.earlier_lost = lost
-            raise err from e
-        self._n["lines"] += n_lines
-        self._n["bytes"] += len(data)
-
-    def _write_all(self, data: bytes) -> None:
-        """`os.write` until done; a failure cuts a partial line off (a regular file)."""
-        assert self._fd is not None
-        view = memoryview(data)
-        done = 0
-        try:
-            while done < len(data):
-                done += os.write(self._fd, view[done:])
-        except OSError as e:
-            whole = data.rfind(b"\n", 0, done) + 1
-            if done > whole:  # half a line on disk: remove it, so the log stays readable
-                with contextlib.suppress(OSError):
-                    if _regular(self._fd):
-                        os.ftruncate(self._fd, os.fstat(self._fd).st_size - (done - whole))
-            self._n["bytes"] += whole
-            raise _PartialWrite(e, done) from e
-
-    def _fail(self, e: OSError, lost: int) -> None:
-        self._error = e
-        self._n["lost"] += lost
-        self._n["lost_held"] += lost
-        get_logger().error(
-            "JSONL writer failed; it writes nothing more in this run",
-            path=str(self._path), error=f"{type(e).__name__}: {e}",
-            disk_full=e.errno in (errno.ENOSPC, errno.EDQUOT), events_lost=lost,
-        )
 
     def _append_stats(self) -> None:
         bus_stats: dict[str, Any] | None = None
@@ -478,11 +315,10 @@ class JsonlWriter:
                 except RuntimeError:
                     continue
         writer = {k: v for k, v in dataclasses.asdict(self.stats()).items() if k != "path"}
-        self._buf += record(STATS_TYPE, ts=time.time_ns(), rank=self.rank or 0,
-                            step=self._last_step, bus=bus_stats, writer=writer)
-        self._buf_records += 1
+        self._file.hold_record(record(STATS_TYPE, ts=time.time_ns(), rank=self.rank or 0,
+                                      step=self._last_step, bus=bus_stats, writer=writer))
         with contextlib.suppress(JsonlWriteError):
-            self._write_out()
+            self._file.write_out()
 
     def _skipped(self, ev: Event, reason: str, **info: Any) -> bytes:
         stamps = {k: v if type(v) is int else None
@@ -490,54 +326,27 @@ class JsonlWriter:
         name = getattr(ev, "type_name", None) or type(ev).__name__
         return record(SKIPPED_TYPE, reason=reason, event_type=name, **stamps, **info)
 
-    def _close_fd(self) -> None:
-        if self._fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._fd)
-            self._fd = None
+    def _close_file(self) -> None:
+        self._file.close()
         with contextlib.suppress(ValueError):
             _WRITERS.remove(self)
 
     def _tick(self) -> None:
         """Timer thread (flush_interval > 0): write held lines once they are due."""
         interval = self.flush_interval
+        f = self._file
         while not self._timer_stop.wait(interval / 2):
             with self._lock:
-                if (self._buf and self._error is None and not self._closed
-                        and time.monotonic() - self._last_write >= interval):
+                if (f.held_bytes and f.error is None and not self._closed
+                        and time.monotonic() - f.last_write >= interval):
                     try:
-                        self._write_out()
+                        f.write_out()
                     except JsonlWriteError as e:  # no batch in hand: the next one raises it
                         self._unreported += e.earlier_lost
 
     def _forked(self) -> None:
-        self._buf = bytearray()
-        self._buf_lines = self._buf_records = 0
+        self._file.forget_held()
         self._lock = threading.RLock()
-
-
-class _PartialWrite(Exception):
-    """An `os.write` failed after `done` bytes of a buffer."""
-
-    def __init__(self, error: OSError, done: int) -> None:
-        super().__init__(str(error))
-        self.error = error
-        self.done = done
-
-
-def _regular(fd: int) -> bool:
-    import stat
-
-    return stat.S_ISREG(os.fstat(fd).st_mode)
-
-
-def _step_of(line: bytes) -> int | None:
-    try:
-        d = orjson.loads(line)
-    except orjson.JSONDecodeError:
-        return None
-    s = d.get("step") if type(d) is dict else None
-    return s if type(s) is int else None
 
 
 def _warn(msg: str, *, key: Any, **kw: Any) -> None:
