@@ -35,7 +35,7 @@ from eventbus.events import (
 )
 
 if TYPE_CHECKING:
-    from eventbus.bus import EventBus
+    from eventbus.core.handle import BusHandle
 
 __all__ = ["PHASES", "PhaseScope", "StepScope", "current_step"]
 
@@ -50,7 +50,7 @@ PHASES: dict[str, type[Event]] = {
 _OPEN: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
 
 
-def current_step(bus: EventBus) -> int | None:
+def current_step(bus: BusHandle) -> int | None:
     """The step of the innermost open `bus.step(...)` scope, or None."""
     open_ = _OPEN.get(bus)
     return open_[-1] if open_ else None
@@ -72,7 +72,7 @@ class StepScope:
     __slots__ = ("_t0", "bus", "duration_s", "samples", "step", "tokens")
 
     def __init__(
-        self, bus: EventBus, step: int, *, samples: Any = None, tokens: Any = None
+        self, bus: BusHandle, step: int, *, samples: Any = None, tokens: Any = None
     ) -> None:
         if type(step) is not int:
             raise TypeError(f"bus.step() takes the step number as an int; got {step!r:.80}")
@@ -115,7 +115,7 @@ class PhaseScope:
 
     __slots__ = ("_t0", "bus", "cls", "duration_s", "fields", "name", "step")
 
-    def __init__(self, bus: EventBus, name: str, step: int | None = None, **fields: Any) -> None:
+    def __init__(self, bus: BusHandle, name: str, step: int | None = None, **fields: Any) -> None:
         cls = PHASES.get(name)
         if cls is None:
             raise ValueError(f"unknown phase {name!r}; use one of {', '.join(PHASES)}")

@@ -56,7 +56,7 @@ __all__ = ["EventBusCallback"]
 _OWN_KEYS = frozenset(("loss", "learning_rate", "grad_norm"))
 
 
-class EventBusCallback(TrainerCallback):
+class EventBusCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
     """Publishes the Trainer's lifecycle onto `bus`; stops training when the bus asks.
 
     `bus` defaults to the process's default bus (`eventbus.get_bus()`). With
@@ -94,7 +94,7 @@ class EventBusCallback(TrainerCallback):
         self._tokens_seen = state.num_input_tokens_seen or 0
         self.bus.publish(RunStarted(
             step=state.global_step,
-            config=jsonable(args.to_dict()),  # type: ignore[no-untyped-call]
+            config=jsonable(args.to_dict()),  # type: ignore[no-untyped-call,unused-ignore]
             run_id=args.run_name,
             total_steps=state.max_steps,
             world_size=args.world_size,
