@@ -23,10 +23,13 @@ from eventbus.control import Control
 from eventbus.core.delivery import Delivery, State
 from eventbus.core.subscriber import describe, event_types, unique_name
 from eventbus.events import Event
+from eventbus.log import get_logger
 from eventbus.logformat import PathLike, log_files, log_ranks, read_log, write_events
 from eventbus.stats import BusStats
 
-__all__ = ["Replayer", "replay"]
+__all__ = ["FEEDBACK_LIMIT", "Replayer", "replay"]
+
+FEEDBACK_LIMIT = 65536  # events subscribers may publish while one batch of the log is fed
 
 
 # -- the driver ---------------------------------------------------------------------------
@@ -76,6 +79,8 @@ class Replayer:
         self._clock: int | None = None
         self._routed = 0
         self._running = False
+        self._budget = FEEDBACK_LIMIT  # events subscribers may publish per batch of the log
+        self.feedback_dropped = 0
 
     # -- what subscribers see as `bus` ------------------------------------------------------
 
@@ -83,6 +88,14 @@ class Replayer:
         """Stamp (ts = the replay clock if unset, seq, rank) and deliver after the current batch."""
         if not isinstance(ev, Event):
             raise TypeError(f"publish() takes an eventbus Event, got {type(ev).__qualname__}")
+        if self._budget <= 0:  # a subscriber feeding on its own output: bounded, counted
+            self.feedback_dropped += 1
+            if self.feedback_dropped == 1:
+                get_logger().error("feedback storm in replay: subscribers published more than "
+                                   f"{FEEDBACK_LIMIT} events for one batch of the log; "
+                                   "dropping the rest", event_type=type(ev).__name__)
+            return
+        self._budget -= 1
         if ev.ts is None:
             ev.ts = self._clock
         ev.seq = next(self._seq)
@@ -113,6 +126,7 @@ class Replayer:
         return BusStats(
             published=self._routed, rejected=0, inbox_size=0, inbox_high_water=0,
             blocked_s=0.0, wakeups=0, subscribers={d.name: d.stats() for d in self._subs},
+            feedback_dropped=self.feedback_dropped,
         )
 
     # -- running ----------------------------------------------------------------------------
@@ -166,6 +180,7 @@ class Replayer:
             self._running = False
 
     async def _route(self, batch: list[Event]) -> None:
+        self._budget = FEEDBACK_LIMIT
         while True:
             if batch:
                 self._clock = next((e.ts for e in reversed(batch) if e.ts is not None),

@@ -43,7 +43,8 @@ class BusStats:
     inbox_size: int  # events waiting to be routed now
     inbox_high_water: int  # the most events the inbox held when the router drained it
     blocked_s: float  # seconds publishers spent waiting on a lossless subscriber (backpressure)
-    wakeups: int  # times the bus thread was woken early because the inbox neared its bound
+    wakeups: int  # times the bus thread was woken before its timer (a nearly full inbox, a
+    # flush, a subscribe, a close)
     subscribers: dict[str, SubscriberStats] = field(default_factory=dict)
     hung: tuple[str, ...] = ()  # subscribers abandoned at close because they did not return
     feedback_dropped: int = 0  # events subscribers published into a half-full inbox (a storm)

@@ -2,7 +2,8 @@
 
 Subclassing is never required (any object with `on_events` works); it gives the class
 attributes the bus reads, no-op hooks, and the Cerebras-style context manager:
-`with JsonlWriter("runs/x"):` attaches to the default bus for the block.
+`with MySubscriber():` attaches it to the default bus for the block (for objects that do
+not subclass it, such as the built-in sinks: `register_global(JsonlWriter("runs/x"))`).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from eventbus.events import (
     Loss,
     RunEnded,
     RunStarted,
+    Scalars,
     StepEnded,
     StopRequested,
     UnknownEvent,
@@ -253,3 +254,20 @@ def test_live_bus_and_replay_agree_on_what_a_monitor_publishes(tmp_path: Path) -
     _log(losses, [e for e in read_log(w.path) if isinstance(e, Loss)])
     replayed = [type(e).__name__ for e in replay(losses, NanWatcher())]
     assert live == replayed == ["DivergenceDetected", "StopRequested"]
+
+
+def test_a_subscriber_feeding_on_its_own_output_is_bounded_in_replay(tmp_path: Path) -> None:
+    from eventbus.replay import FEEDBACK_LIMIT, Replayer
+
+    class Echo:
+        def on_start(self, bus: Any) -> None:
+            self.bus = bus
+
+        def on_events(self, batch: list[Event]) -> None:
+            for ev in batch:
+                self.bus.publish(Scalars(step=ev.step, values={"echo": 1.0}))
+
+    r = Replayer(Echo())
+    published = r.run([Loss(step=1, value=1.0, seq=0, ts=1)])
+    assert len(published) == FEEDBACK_LIMIT  # then dropped and counted, not an endless loop
+    assert r.stats().feedback_dropped == 1

@@ -1,7 +1,7 @@
 """`placement="process"`: a subscriber in a child process, so its Python work never holds our GIL.
 
     bus thread (parent)                               child process (spawn)
-    runner queue --batch--> ProcessSubscriber         SubscriberCalls: on_events(batch) / fn(ev)
+    its queue --batch--> ProcessSubscriber            core.delivery: on_events(batch) / fn(ev)
       wire.pack (type name + field tuples)     --->   wire.unpack -> events
       await the reply in an I/O thread         <---   ok | error + event type, events it
       count ok / failed like any subscriber             published, its Control's requests
