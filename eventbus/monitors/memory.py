@@ -36,7 +36,6 @@ from eventbus.events import (
     MemorySample,
     MemorySnapshotSaved,
     OptimizerStepped,
-    Scalars,
     StepEnded,
 )
 from eventbus.log import get_logger
@@ -44,12 +43,13 @@ from eventbus.monitors._leak_rule import LeakRule, LeakVerdict
 from eventbus.monitors._memory_read import (
     MB,
     CudaReader,
-    CudaReading,
     cuda_initialized,
     resolve_cuda_device,
     rss_bytes,
     rss_peak_bytes,
 )
+from eventbus.monitors._memory_summary import Reading, RunMemory
+from eventbus.monitors._oom_snapshots import UNAVAILABLE, OomSnapshots
 
 __all__ = ["MemoryProfiler"]
 
@@ -59,10 +59,6 @@ _PHASES: dict[type[Event], str] = {
     OptimizerStepped: "optimizer",
 }
 _START_WAIT_S = 2.0
-_UNAVAILABLE = (
-    "CUDA memory snapshots are unavailable: CUDA is not available in this process "
-    "(record_history needs a CUDA build of torch and a visible GPU)"
-)
 
 
 def _lag(ev: Event) -> float | None:
@@ -76,29 +72,6 @@ def _due(step: int, last: int | None, every: int) -> bool:
     if last is None or step < last:
         return step % every == 0 or every == 1
     return step // every > last // every
-
-
-class _Reading:
-    """One point of the run: RSS and, with CUDA, the allocator counters (MB)."""
-
-    __slots__ = (
-        "alloc_retries",
-        "allocated",
-        "ooms",
-        "peak_allocated",
-        "reserved",
-        "rss",
-        "step",
-    )
-
-    def __init__(self, step: int, rss: float, cuda: CudaReading | None) -> None:
-        self.step = step
-        self.rss = rss
-        self.allocated = cuda.allocated / MB if cuda else None
-        self.reserved = cuda.reserved / MB if cuda else None
-        self.peak_allocated = cuda.peak_allocated / MB if cuda else None
-        self.alloc_retries = cuda.alloc_retries if cuda else None
-        self.ooms = cuda.ooms if cuda else None
 
 
 class MemoryProfiler:
@@ -154,22 +127,14 @@ class MemoryProfiler:
         }
         self._bus: BusHandle | None = None
         self._cuda: CudaReader | None = None
+        self._oom: OomSnapshots | None = None  # with record_history and CUDA
         self._device_name: str = "cpu"
-        self._lock = threading.Lock()  # training thread (OOM, snapshot) vs the worker thread
         self._started = threading.Event()  # set by on_start: the bus to publish on is known
-        self._recording = False
-        self._dumped_ooms = 0  # the allocator's num_ooms when we last dumped
-        self._snapshots: list[str] = []
         self._training_source = False  # training-thread snapshots seen: stop reading late
         self._train_phase_peak = 0.0  # snapshot(): phase peaks since the last step snapshot
         self._phase_peaks: dict[str, tuple[float, float | None]] = {}  # phase -> (MB, lag_s)
         self._last_published: int | None = None
-        self._first: _Reading | None = None
-        self._last: _Reading | None = None
-        self._peak_rss: tuple[float, int] | None = None
-        self._peak_alloc: tuple[float, int] | None = None
-        self._peak_reserved: tuple[float, int] | None = None
-        self._readings = 0
+        self._run = RunMemory()
         self._coalesced = 0
         self._leaks: list[LeakVerdict] = []
         # Decided once, here, on the constructing (training) thread: its current device is the
@@ -192,7 +157,7 @@ class MemoryProfiler:
             if self.record_history:
                 self._start_history(index)
         elif self.record_history:
-            get_logger().warning(_UNAVAILABLE, monitor="MemoryProfiler")
+            get_logger().warning(UNAVAILABLE, monitor="MemoryProfiler")
         elif self._device_arg is not None:
             get_logger().warning("MemoryProfiler(device=...) ignored: CUDA is not available",
                                  device=str(self._device_arg))
@@ -223,17 +188,15 @@ class MemoryProfiler:
     def on_close(self) -> None:
         """Dump a snapshot if an OOM slipped past us, stop recording, publish the summary."""
         self._maybe_dump_missed_oom()
-        if self._recording:
-            self._recording = False
-            with contextlib.suppress(Exception):
-                torch.cuda.memory._record_memory_history(enabled=None)
+        if self._oom is not None:
+            self._oom.stop()
         self._publish_summary()
 
     # -- readings ----------------------------------------------------------------------
 
-    def _read(self, step: int, *, reset_peak: bool) -> _Reading:
+    def _read(self, step: int, *, reset_peak: bool) -> Reading:
         cuda = self._cuda.read(reset_peak=reset_peak) if self._cuda is not None else None
-        return _Reading(step, rss_bytes() / MB, cuda)
+        return Reading(step, rss_bytes() / MB, cuda)
 
     def _on_phase_end(self, ev: Event, phase: str) -> None:
         if self._cuda is None or ev.step is None:
@@ -259,26 +222,15 @@ class MemoryProfiler:
         if ev.phase not in (None, "step"):
             return  # a phase snapshot: already on the bus, and folded into its step's peak
         self._training_source = True
-        r = _Reading(ev.step, ev.rss_mb or 0.0, None)
+        r = Reading(ev.step, ev.rss_mb or 0.0, None)
         r.allocated, r.reserved = ev.allocated_mb, ev.reserved_mb
         r.peak_allocated, r.alloc_retries, r.ooms = ev.peak_allocated_mb, ev.alloc_retries, ev.ooms
         self._phase_peaks = {}  # snapshot() already folded the phase peaks into the step's
         self._record(r, source=None, lag_s=0.0, phases={})  # already on the bus: no re-publish
 
-    def _record(self, r: _Reading, *, source: str | None, lag_s: float | None,
+    def _record(self, r: Reading, *, source: str | None, lag_s: float | None,
                 phases: dict[str, tuple[float, float | None]]) -> None:
-        self._readings += 1
-        if self._first is None:
-            self._first = r
-        self._last = r
-        if self._peak_rss is None or r.rss > self._peak_rss[0]:
-            self._peak_rss = (r.rss, r.step)
-        if r.peak_allocated is not None and (
-                self._peak_alloc is None or r.peak_allocated > self._peak_alloc[0]):
-            self._peak_alloc = (r.peak_allocated, r.step)
-        if r.reserved is not None and (
-                self._peak_reserved is None or r.reserved > self._peak_reserved[0]):
-            self._peak_reserved = (r.reserved, r.step)
+        self._run.add(r)
         if r.ooms:
             self._maybe_dump_missed_oom(r.ooms)
         if source is not None and _due(r.step, self._last_published, self.every):
@@ -286,22 +238,23 @@ class MemoryProfiler:
             self._publish_sample(r, source=source, lag_s=lag_s, phases=phases)
         self._check_leaks(r)
 
-    def _publish_sample(self, r: _Reading, *, source: str, lag_s: float | None,
+    def _publish_sample(self, r: Reading, *, source: str, lag_s: float | None,
                         phases: dict[str, tuple[float, float | None]]) -> None:
         peak = rss_peak_bytes()
+        peak_rss = self._run.peak_rss
         for phase, (mb, phase_lag) in phases.items():
             self._publish(MemorySample(step=r.step, phase=phase, peak_allocated_mb=mb,
                                        device=self._device_name, source=source, lag_s=phase_lag))
         self._publish(MemorySample(
             step=r.step, phase="step", rss_mb=r.rss,
-            rss_peak_mb=max(r.rss, self._peak_rss[0] if self._peak_rss else 0.0,
+            rss_peak_mb=max(r.rss, peak_rss[0] if peak_rss else 0.0,
                             peak / MB if peak is not None else 0.0),
             allocated_mb=r.allocated, reserved_mb=r.reserved, peak_allocated_mb=r.peak_allocated,
             alloc_retries=r.alloc_retries, ooms=r.ooms, device=self._device_name,
             source=source if self._cuda is not None else None, lag_s=lag_s,
         ))
 
-    def _check_leaks(self, r: _Reading) -> None:
+    def _check_leaks(self, r: Reading) -> None:
         for metric, value in (("rss_mb", r.rss), ("allocated_mb", r.allocated)):
             if value is None:
                 continue
@@ -318,43 +271,11 @@ class MemoryProfiler:
                                               window=v.window, metric=metric))
 
     def _publish_summary(self) -> None:
-        first, last = self._first, self._last
-        if first is None or last is None:
+        if self._run.last is None:
             return
-        peak_rss, peak_rss_step = self._peak_rss or (last.rss, last.step)
-        hwm = rss_peak_bytes()
-        values: dict[str, Any] = {
-            "memory/steps_read": self._readings,
-            "memory/peak_rss_mb": peak_rss,
-            "memory/peak_rss_step": peak_rss_step,
-            "memory/rss_growth_mb": last.rss - first.rss,
-            "memory/leaks_suspected": len(self._leaks),
-        }
-        if hwm is not None:
-            values["memory/rss_hwm_mb"] = hwm / MB
-        if self._peak_alloc is not None:
-            values["memory/peak_allocated_mb"] = self._peak_alloc[0]
-            values["memory/peak_allocated_step"] = self._peak_alloc[1]
-        if self._peak_reserved is not None:
-            values["memory/peak_reserved_mb"] = self._peak_reserved[0]
-            values["memory/peak_reserved_step"] = self._peak_reserved[1]
-        if first.allocated is not None and last.allocated is not None:
-            values["memory/allocated_growth_mb"] = last.allocated - first.allocated
-        if first.reserved is not None and last.reserved is not None:
-            values["memory/reserved_growth_mb"] = last.reserved - first.reserved
-        if last.ooms is not None:
-            values["memory/ooms"] = last.ooms
-            values["memory/alloc_retries"] = last.alloc_retries
-        if self._snapshots:
-            values["memory/snapshots_saved"] = len(self._snapshots)
-        self._publish(MemorySample(
-            step=last.step, phase="summary", rss_mb=last.rss,
-            rss_peak_mb=max(peak_rss, hwm / MB if hwm is not None else 0.0),
-            allocated_mb=last.allocated, reserved_mb=last.reserved,
-            peak_allocated_mb=self._peak_alloc[0] if self._peak_alloc else None,
-            alloc_retries=last.alloc_retries, ooms=last.ooms, device=self._device_name,
-        ))
-        self._publish(Scalars(step=last.step, values=values))
+        for ev in self._run.summary(device=self._device_name, hwm=rss_peak_bytes(),
+                                    leaks=len(self._leaks), snapshots=len(self.snapshots)):
+            self._publish(ev)
 
     def _publish(self, ev: Event) -> None:
         if self._bus is not None:
@@ -400,7 +321,7 @@ class MemoryProfiler:
         bus.publish(ev)
         return ev
 
-    # -- OOM snapshots -------------------------------------------------------------------
+    # -- OOM snapshots (the files: eventbus.monitors._oom_snapshots) --------------------------
 
     @contextlib.contextmanager
     def oom_guard(self) -> Iterator[None]:
@@ -409,9 +330,9 @@ class MemoryProfiler:
         try:
             yield
         except torch.OutOfMemoryError:
-            if self._cuda is None or not self._recording:
+            if self._oom is None or not self._oom.recording:
                 get_logger().warning(
-                    _UNAVAILABLE if self._cuda is None and self._bus is not None
+                    UNAVAILABLE if self._cuda is None and self._bus is not None
                     else "no memory snapshot written on OOM: pass MemoryProfiler("
                          "record_history=True) and subscribe it to a started bus",
                     monitor="MemoryProfiler",
@@ -423,62 +344,36 @@ class MemoryProfiler:
     def dump_snapshot(self, reason: str) -> str | None:
         """Write the allocator's recorded history to a file, publish its path; None without
         CUDA or history recording. Safe from any thread."""
-        if self._cuda is None or not self._recording:
+        oom = self._oom
+        if oom is None or not oom.recording:
             return None
-        with self._lock:
-            # Host-side allocator counter: no device sync.
-            ooms = int(torch.cuda.memory_stats_as_nested_dict(self._cuda.device)
-                       .get("num_ooms", 0))
-            if reason == "oom" and ooms <= self._dumped_ooms and self._snapshots:
-                return self._snapshots[-1]  # the OOM observer already dumped this one
-            self.snapshot_dir.mkdir(parents=True, exist_ok=True)
-            path = self.snapshot_dir / (
-                f"memory_snapshot_{reason}_rank{self._bus.rank if self._bus else 0}_"
-                f"{time.strftime('%Y%m%d-%H%M%S')}_{len(self._snapshots)}.pickle")
-            # Pickles the allocator's host-side records: no device sync.
-            torch.cuda.memory._dump_snapshot(str(path))  # type: ignore[no-untyped-call]
-            self._dumped_ooms = max(self._dumped_ooms, ooms)
-            self._snapshots.append(str(path))
-        get_logger().warning("CUDA memory snapshot written", path=str(path), reason=reason,
-                             view="https://pytorch.org/memory_viz")
-        self._publish(MemorySnapshotSaved(path=str(path), reason=reason,
-                                          step=self._last.step if self._last else None))
-        return str(path)
+        path, new = oom.dump(reason, self.snapshot_dir, self._bus.rank if self._bus else 0)
+        if new:
+            last = self._run.last
+            self._publish(MemorySnapshotSaved(path=path, reason=reason,
+                                              step=last.step if last else None))
+        return path
 
     @property
     def snapshots(self) -> list[str]:
         """Paths of the snapshot files written so far."""
-        return list(self._snapshots)
+        return list(self._oom.paths) if self._oom is not None else []
 
     def _start_history(self, index: int) -> None:
-        # Host-side: turns on stack recording in the allocator (bounded ring of entries).
-        torch.cuda.memory._record_memory_history(max_entries=self.max_entries, device=index)
-        self._recording = True
-        attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
-        if attach is not None:
-            # Called by the allocator on the thread that ran out of memory, before it raises
-            # (its lock released): the snapshot shows the state at the OOM itself. There is
-            # no detach; a weak reference lets a finished profiler go.
-            ref = weakref.ref(self)
+        self._oom = OomSnapshots(index, self.max_entries)
+        ref = weakref.ref(self)  # the allocator's observer has no detach: let a profiler go
 
-            def observer(device: int, alloc: int, device_alloc: int, device_free: int) -> None:
-                prof = ref()
-                if prof is not None and prof._recording and device == index:
-                    with contextlib.suppress(Exception):  # never mask the OOM itself
-                        prof.dump_snapshot("oom")
+        def on_oom() -> None:
+            prof = ref()
+            if prof is not None:
+                prof.dump_snapshot("oom")
 
-            attach(observer)
+        self._oom.start(on_oom)
 
     def _maybe_dump_missed_oom(self, ooms: int | None = None) -> None:
         """An OOM the observer and `oom_guard` did not see (e.g. raised inside `with bus:`
         with no guard on an older torch): dump what the history still holds."""
-        if not self._recording or self._cuda is None:
-            return
-        if ooms is None:
-            # Host-side allocator counter: no device sync.
-            ooms = int(torch.cuda.memory_stats_as_nested_dict(self._cuda.device)
-                       .get("num_ooms", 0))
-        if ooms > self._dumped_ooms:
+        if self._oom is not None and self._oom.missed(ooms):
             with contextlib.suppress(Exception):
                 self.dump_snapshot("oom")
 
