@@ -22,9 +22,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import eventbus
-from eventbus import Event
 from eventbus.codec import encode
-from eventbus.events import CheckpointLoaded, RunStarted
+from eventbus.events import CheckpointLoaded, Event, RunStarted
 from eventbus.log import RateLimiter, get_logger
 from eventbus.logformat import SKIPPED_TYPE, STATS_TYPE, header, record
 from eventbus.sinks._files import check_writable_dir, check_writable_file
