@@ -13,6 +13,7 @@ from eventbus.events import Event
 from eventbus.replay import replay
 from eventbus.stats import BusStats, SubscriberStats
 from eventbus.subscriber import Subscriber
+from eventbus.version import __version__ as __version__
 
 __all__ = [
     "AbortRequested",
@@ -33,5 +34,3 @@ __all__ = [
     "set_bus",
     "subscribe_from_config",
 ]
-
-__version__ = "0.1.0"

@@ -44,7 +44,6 @@ __all__ = [
     "capture_tensor",
     "pending_of",
     "resolve",
-    "resolve_value",
 ]
 
 PLAIN: frozenset[type] = frozenset((float, int, bool, str, type(None)))
@@ -283,8 +282,3 @@ def resolve(ev: Event) -> None:
         v = getattr(ev, name)
         if type(v) not in PLAIN:
             setattr(ev, name, _resolve_value(v, f"{type(ev).__name__}.{name}"))
-
-
-def resolve_value(v: Any) -> Any:
-    """A captured value as subscribers see it (used by replay and tests)."""
-    return _resolve_value(v, "value")

@@ -21,13 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-import eventbus
 from eventbus.codec import encode
+from eventbus.core import BusHandle
 from eventbus.events import CheckpointLoaded, Event, RunStarted
 from eventbus.log import RateLimiter, get_logger
 from eventbus.logformat import SKIPPED_TYPE, STATS_TYPE, header, record
 from eventbus.sinks._files import check_writable_dir, check_writable_file
 from eventbus.sinks._jsonl_file import JsonlFile, JsonlWriteError
+from eventbus.version import __version__
 
 __all__ = ["JsonlWriteError", "JsonlWriter", "JsonlWriterStats"]
 
@@ -106,7 +107,7 @@ class JsonlWriter:
         self.rank = rank
         self.world_size = world_size
         self._resume_from = resume_from_step
-        self._bus: Any = None
+        self._bus: BusHandle | None = None
         self._lock = threading.RLock()
         self._file = JsonlFile()
         self._last_step: int | None = None
@@ -138,7 +139,7 @@ class JsonlWriter:
 
     # -- subscriber hooks (run in the bus's worker thread for this writer) -----------------
 
-    def on_start(self, bus: Any = None) -> None:
+    def on_start(self, bus: BusHandle | None = None) -> None:
         """Open the file for this rank: repair a torn last line, apply a resume, add a header."""
         self._bus = bus
         if bus is not None:
@@ -165,9 +166,9 @@ class JsonlWriter:
             n = 0
             try:
                 for ev in batch:
-                    t = type(ev)
-                    if (t is CheckpointLoaded or t is RunStarted) and self.truncate_on_resume:
-                        step = ev.step if t is CheckpointLoaded else ev.resumed_from_step  # type: ignore[attr-defined]
+                    if self.truncate_on_resume and isinstance(ev, CheckpointLoaded | RunStarted):
+                        step = (ev.step if isinstance(ev, CheckpointLoaded)
+                                else ev.resumed_from_step)
                         if step is not None:
                             f.hold(lines, n)
                             lines.clear()
@@ -293,7 +294,7 @@ class JsonlWriter:
                         resume_from=self._resume_from)
         self._file.hold_record(header(
             rank=self.rank or 0, world_size=self.world_size or 1, pid=os.getpid(),
-            host=socket.gethostname(), eventbus_version=eventbus.__version__,
+            host=socket.gethostname(), eventbus_version=__version__,
             ts=time.time_ns(), resumed_from_step=self._resume_from,
             max_line_bytes=self.max_line_bytes,
         ))
@@ -306,10 +307,11 @@ class JsonlWriter:
 
     def _append_stats(self) -> None:
         bus_stats: dict[str, Any] | None = None
-        if self._bus is not None and callable(getattr(self._bus, "stats", None)):
+        read = getattr(self._bus, "stats", None)  # the live bus and replay have counters
+        if callable(read):
             for _ in range(3):  # other subscribers may still be closing: retry a racy read
                 try:
-                    bus_stats = self._bus.stats().as_dict()
+                    bus_stats = read().as_dict()
                     break
                 except RuntimeError:
                     continue
