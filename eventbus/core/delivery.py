@@ -112,6 +112,7 @@ class Delivery:
         self.in_flight = 0  # events of the call in progress
         self.lost_in_flight = 0  # the call in progress when the bus abandoned it
         self._abandoned = False
+        self._batch_done = 0  # events of the batch in hand already counted
         self.busy_since: float | None = None
         self.busy_with: str | None = None
         self.latencies: deque[float] = deque(maxlen=1024)
@@ -150,7 +151,12 @@ class Delivery:
             if self.state is State.DISABLED:  # counted, not handed over
                 q.dropped += len(batch)
             else:
-                await self.deliver(batch)
+                try:
+                    await self.deliver(batch)
+                except BaseException as e:  # never the loop's death: the batch is counted
+                    if _own_cancellation(e):
+                        raise
+                    self._failed(e, batch[0], max(0, len(batch) - self._batch_done))
             self._check_markers()
 
     def add_marker(self, callback: Callable[[], None]) -> None:
@@ -176,7 +182,8 @@ class Delivery:
         """The bus gives up on it: drop what is queued (counted lost); returns how many."""
         n = 0
         if self.busy_since is not None and not self._abandoned:
-            self.lost_in_flight = self.in_flight  # whatever it returns now is not counted
+            # whatever it returns now is not counted; what it finished already was
+            self.lost_in_flight = max(0, self.in_flight - self._batch_done)
         self._abandoned = True
         if self.queue is not None:
             n = self.queue.discard()  # routed, then dropped: counted in the queue's `dropped`
@@ -194,10 +201,11 @@ class Delivery:
     async def deliver(self, batch: list[Event]) -> BaseException | None:
         """Hand a batch over (or each event, to a plain function); returns the first failure."""
         first_ts = batch[0].ts
-        if first_ts is not None:
+        if type(first_ts) is int:  # a user may have set anything
             self.latencies.append((time.time_ns() - first_ts) / 1e6)
         self._busy(type(batch[0]).__name__)
         self.in_flight = len(batch)
+        self._batch_done = 0
         self.first_failure = None
         try:
             if self.batched:
@@ -308,6 +316,7 @@ class Delivery:
     def _ok(self, n: int) -> None:
         if self._abandoned:  # counted as lost when the bus gave up on it
             return
+        self._batch_done += n
         self.delivered += n
         self.consecutive_failures = 0
 
@@ -315,6 +324,7 @@ class Delivery:
         if self._abandoned:
             return
         self._revoke(exc)
+        self._batch_done += n
         self.failed += n
         self.consecutive_failures += 1
         self.last_error = f"{type(exc).__name__}: {exc}"

@@ -147,23 +147,26 @@ class Inbox:
 
     # -- publishers ---------------------------------------------------------------------
 
-    def put(self, item: Any) -> None:
-        """Queue an event (or a `Boxed` one); waits only for a lossless subscriber's room."""
+    def put(self, item: Any) -> bool:
+        """Queue an event (or a `Boxed` one); waits only for a lossless subscriber's room.
+        False: refused (dropped or rejected, and counted)."""
         items = self.items
         if len(items) >= self.fast_limit and not self._admit(item):
-            return
+            return False
         items.append(item)
+        return True
 
     def put_boxed(self, box: Boxed) -> None:
-        """Queue a big or captured event: its bytes count against `max_bytes`."""
-        if box.nbytes:
-            if self.nbytes + box.nbytes > self.max_bytes and self.items:
-                self._wake()
-                if not self._admit(box, full=True):
-                    return
+        """Queue a big or captured event: its bytes count against `max_bytes` once queued
+        (the router takes them off when it takes the event)."""
+        if box.nbytes and self.nbytes + box.nbytes > self.max_bytes and len(self.items):
+            self._wake()
+            if not self._admit(box, full=True):
+                return
+        n = box.nbytes  # read first: the router may take (and unbox) it at once
+        if self.put(box) and n:
             with self._lock:
-                self.nbytes += box.nbytes
-        self.put(box)
+                self.nbytes += n
 
     def put_control(self, item: Any) -> None:
         """Queue a control item (never refused, never waits) and wake the loop."""
@@ -191,10 +194,12 @@ class Inbox:
         full = full or self.full()
         if mode == InboxMode.NEW:
             waiting = self.waiting() if full else 0
-            if waiting >= self.maxsize:
+            big = type(item) is Boxed and self.nbytes + item.nbytes > self.max_bytes
+            if full and (waiting >= self.maxsize or big):
                 raise RuntimeError(
-                    f"{waiting} events published but the bus was never started: "
-                    "call bus.start() or use `with bus:` before publishing this many"
+                    f"{waiting} events ({self.nbytes} bytes of big ones) published but the "
+                    "bus was never started: call bus.start() or use `with bus:` before "
+                    "publishing this much"
                 )
             return True
         self._wake()
@@ -285,11 +290,13 @@ class Inbox:
         popleft = items.popleft
         return [popleft() for _ in range(min(k, n))]
 
-    def unbox(self, box: Boxed) -> None:
-        """A boxed event left the inbox: its bytes no longer count."""
-        if box.nbytes:
+    def unbox(self, box: Boxed) -> int:
+        """A boxed event left the inbox: its bytes no longer count (once). Returns them."""
+        n, box.nbytes = box.nbytes, 0
+        if n:
             with self._lock:
-                self.nbytes -= box.nbytes
+                self.nbytes -= n
+        return n
 
     def begin_close(self) -> None:
         """From now on subscribers may publish at most `maxsize` more events (what they say

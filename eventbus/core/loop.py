@@ -81,6 +81,7 @@ class BusLoop:
         """Begin the shutdown; everything must be done by `deadline` (time.monotonic)."""
         self._deadline = deadline
         self._closing = True
+        self.router.closing = True
         self.inbox.begin_close()
         self.inbox.wake()
 
@@ -88,6 +89,7 @@ class BusLoop:
         """Stop waiting for anyone now: count what is left as lost (a second Ctrl-C)."""
         self._deadline = time.monotonic()
         self._closing = True
+        self.router.closing = True
         loop, scope = self._loop, self._shutdown_scope
         if loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop already ended

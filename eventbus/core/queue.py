@@ -15,10 +15,12 @@ from typing import NamedTuple
 import anyio
 
 from eventbus.events import Event
+from eventbus.log import RateLimiter, get_logger
 
 __all__ = ["POLICIES", "QueueStatistics", "SubscriberQueue", "default_key"]
 
 POLICIES: tuple[str, ...] = ("block", "drop_oldest", "drop_newest", "latest")
+_key_log = RateLimiter(10.0)
 
 
 def default_key(ev: Event) -> Hashable:
@@ -102,10 +104,13 @@ class SubscriberQueue:
             self._note_high_water(len(fifo))
             if self.policy == "block":
                 return False
-            self.dropped += 1
             if self.policy == "drop_newest":
+                self.dropped += 1
                 return True
-            self._forget(fifo.popleft())  # drop_oldest
+            while fifo and (len(fifo) >= self.maxsize  # drop_oldest: as many as it takes
+                            or (nbytes and self._bytes + nbytes > self.max_bytes)):
+                self._forget(fifo.popleft())
+                self.dropped += 1
         if not fifo:
             self._readable.set()
         fifo.append(ev)
@@ -115,15 +120,25 @@ class SubscriberQueue:
         return True
 
     def _put_latest(self, ev: Event, nbytes: int) -> bool:
-        k = self.key(ev)
+        try:
+            k = self.key(ev)
+        except Exception as e:  # the user's key function: this event is dropped, counted
+            self.dropped += 1
+            ok, held = _key_log.allow(type(e))
+            if ok:
+                get_logger().warning("latest policy: the key function raised; event dropped",
+                                     event_type=type(ev).__name__, error=f"{type(e).__name__}: "
+                                     f"{e}", suppressed_since_last=held)
+            return True
         latest = self._latest
         if not latest:
             self._readable.set()
         if k in latest:
             self._forget(latest.pop(k))
             self.dropped += 1  # the older event of this key is superseded
-        elif len(latest) >= self.maxsize:
-            self._forget(latest.popitem(last=False)[1])
+        while latest and (len(latest) >= self.maxsize
+                          or (nbytes and self._bytes + nbytes > self.max_bytes)):
+            self._forget(latest.popitem(last=False)[1])  # the oldest key goes
             self.dropped += 1
         latest[k] = ev
         if nbytes:

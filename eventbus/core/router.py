@@ -7,7 +7,6 @@ things from another thread: `lossless` (an int) and `deliveries` (a tuple, repla
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -21,6 +20,8 @@ from eventbus.core.inbox import Attach, Boxed, Detach, Flush, Inbox
 from eventbus.events import Event
 
 __all__ = ["Router"]
+
+_LOOK_EVERY = 0.05  # seconds between looks at a hung subscriber or a close, while waiting
 
 
 class Router:
@@ -41,6 +42,8 @@ class Router:
         self.lossless = 0  # attached subscribers with the `block` policy
         self.routed = 0  # events taken from the inbox and routed
         self.lost = 0  # events still in the inbox when the loop gave up: routed nowhere
+        self.closing = False  # set by the loop: from now on routing never waits
+        self._next = 0  # index of the next entry of the chunk being routed
         self._routes: dict[type, tuple[Delivery, ...]] = {}
         self._drop_lock = threading.Lock()
         self._start = start
@@ -73,37 +76,49 @@ class Router:
 
         `force`: never wait for room in a lossless queue (shutdown: nobody may hold it up).
         """
+        taken = self.inbox.take(chunk)
+        try:
+            await self._route_all(taken, force)
+        except BaseException:  # cancelled mid-chunk: what was taken and not routed is lost
+            self._count_lost(taken[self._next:])
+            raise
+        finally:
+            self.inbox.space()  # publishers waiting on a full inbox look again
+
+    async def _route_all(self, taken: list[Any], force: bool) -> None:
         inbox = self.inbox
         routes = self._routes
-        for entry in inbox.take(chunk):
+        for i, entry in enumerate(taken):
+            self._next = i  # not routed yet: counted lost if we are cancelled here
             item, cls, nbytes = entry, type(entry), 0
             if cls is Boxed:
-                inbox.unbox(entry)
-                nbytes = entry.nbytes
+                nbytes = inbox.unbox(entry)
                 if entry.captured:
                     await self._resolve(entry.ev)
                 item = entry.ev
                 cls = type(item)
             elif cls is Attach or cls is Detach or cls is Flush:
+                self._next = i + 1
                 await self._control(item)
                 continue
             self.routed += 1
             targets = routes.get(cls)
             if targets is None:
                 targets = self.targets(cls)
-            for i, d in enumerate(targets):
+            for k, d in enumerate(targets):
                 q = d.queue
                 assert q is not None
                 if not q.put_nowait(item, nbytes, force=force):
                     inbox.space()  # room in the inbox while this queue is full
                     try:
                         await self._wait_for_room(d, item, nbytes)
-                    except anyio.get_cancelled_exc_class():  # the loop gave up (deadline)
-                        for lost in targets[i:]:
+                    except BaseException:  # the loop gave up (deadline): counted
+                        for lost in targets[k:]:
                             lost.lost_at_close += 1
+                        self._next = i + 1
                         raise
                 d.routed += 1
-        inbox.space()  # publishers waiting on a full inbox look again
+            self._next = i + 1
 
     async def _wait_for_room(self, d: Delivery, ev: Event, nbytes: int) -> None:
         """Backpressure: wait until `d` takes from its full queue. One stuck in a single call
@@ -112,11 +127,16 @@ class Router:
         q = d.queue
         assert q is not None
         while True:
-            with anyio.move_on_after(self._hang_timeout or math.inf):
+            with anyio.move_on_after(_LOOK_EVERY):
                 await q.put(ev, nbytes)
                 return
+            if self.closing:  # shutdown routes without waiting on anyone
+                q.put_nowait(ev, nbytes, force=True)
+                return
+            if self._hang_timeout is None:
+                continue
             since = d.busy_since
-            if since is not None and time.monotonic() - since >= (self._hang_timeout or 0):
+            if since is not None and time.monotonic() - since >= self._hang_timeout:
                 d.disable(f"hung: inside one call for over {self._hang_timeout} s while its "
                           "full queue held the bus up")
                 self.refresh()
@@ -186,6 +206,10 @@ class Router:
     def remaining(self) -> list[Any]:
         """What is still in the inbox (shutdown gave up): count it lost for its subscribers."""
         lost = self.inbox.take(len(self.inbox))
+        self._count_lost(lost)
+        return lost
+
+    def _count_lost(self, lost: list[Any]) -> None:
         for entry in lost:
             item = entry
             if type(entry) is Boxed:
@@ -197,4 +221,3 @@ class Router:
                     d.lost_at_close += 1
             elif type(item) is Flush:
                 item.done.set()  # nobody will handle it: its waiter must not wait forever
-        return lost

@@ -150,6 +150,8 @@ def test_a_dead_loop_never_blocks_publish_and_is_reported(monkeypatch: pytest.Mo
     t = threading.Thread(target=publish_many, daemon=True)
     t.start()
     assert done.wait(30), "publish blocked on a dead bus thread"
+    assert bus.thread is not None
+    bus.thread.join(10)  # it ends right after refusing publishers
     assert not bus.running
     st = bus.close(timeout=1)
     assert st.error is not None and "a bug in the router" in st.error
