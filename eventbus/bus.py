@@ -136,12 +136,19 @@ class EventBus:
         names = _CHECKED.get(type(ev))
         if names is None:
             names = _CHECKED[type(ev)] = checked_fields(type(ev))
+        text = 0
         for name in names:
             v = getattr(ev, name)
             t = type(v)
-            if t in NUMBERS or (t is str and len(v) < BIG):
+            if t in NUMBERS:
                 continue
-            self._publish_slow(ev, names)  # a tensor, a container or a long text
+            if t is str:
+                text += len(v)
+                continue
+            self._publish_slow(ev, names)  # a tensor or a container
+            return
+        if text >= BIG:  # long texts: counted against the byte bound
+            self._publish_slow(ev, names)
             return
         inbox = self._inbox
         items = inbox.items
@@ -178,7 +185,8 @@ class EventBus:
         return PhaseScope(self, name, step, **fields)
 
     def _lossless(self) -> bool:
-        return self._loop.router.lossless > 0
+        router = self._loop.router
+        return router.lossless > 0 or bool(router.pending_lossless)
 
     def _loop_thread(self) -> int | None:
         return self._loop.thread_id
@@ -224,6 +232,8 @@ class EventBus:
                          max_batch=o.max_batch, max_bytes=self.queue_max_bytes, key=key,
                          max_consecutive_failures=self.max_consecutive_failures)
             self._deliveries.append(d)
+            if d.lossless:
+                self._loop.router.pending_lossless.add(d)
             self._inbox.put_control(Attach(d))
             if self._state == _NEW and not self._exit_hook:
                 atexit.register(self._at_exit)  # events for it must not vanish unstarted
@@ -243,6 +253,7 @@ class EventBus:
         with self._lifecycle:
             if d.state is State.PENDING and self._state == _NEW:
                 d.state = State.REMOVED  # never attached: the loop skips its Attach
+                self._loop.router.pending_lossless.discard(d)
             elif d.state in (State.PENDING, State.RUNNING, State.DISABLED) and \
                     self._state == _RUNNING:
                 self._inbox.put_control(Detach(d))

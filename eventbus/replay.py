@@ -190,8 +190,8 @@ class Replayer:
                     mine = [e for e in batch if isinstance(e, d.events)]
                     if not mine:
                         continue
-                    d.routed += len(mine)
                     if d.state is State.RUNNING:
+                        d.routed += len(mine)
                         await d.deliver(mine)
                     else:
                         d.inbox_dropped += len(mine)  # disabled or closed: counted, not handed

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
-from eventbus.core.worker import in_worker, worker_name
+from eventbus.core.worker import worker_name, worker_owner
 from eventbus.events import Event
 from eventbus.log import RateLimiter, get_logger
 
@@ -182,8 +182,9 @@ class Inbox:
         return len(self.items) >= self.maxsize or self.nbytes >= self.max_bytes
 
     def on_bus_side(self) -> bool:
-        """On the loop thread or a subscriber's worker: waiting for the bus there deadlocks."""
-        return threading.get_ident() == self._loop_thread() or in_worker()
+        """On this bus's loop thread or one of its subscribers' workers: waiting for this bus
+        there could deadlock (another bus's subscriber may wait, like any publisher)."""
+        return threading.get_ident() == self._loop_thread() or worker_owner() is self
 
     def _admit(self, item: Any, *, full: bool = False) -> bool:  # noqa: PLR0911
         """The slow path: not live, near the bound, or full. False: `item` is not queued."""

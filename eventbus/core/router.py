@@ -40,10 +40,15 @@ class Router:
         self.inbox = inbox
         self.deliveries: tuple[Delivery, ...] = ()  # attached and not removed
         self.lossless = 0  # attached subscribers with the `block` policy
+        # Lossless subscribers subscribed but not attached yet (their Attach is queued): a
+        # publisher meeting a full inbox must already wait for them. Set ops are atomic.
+        self.pending_lossless: set[Delivery] = set()
         self.routed = 0  # events taken from the inbox and routed
         self.lost = 0  # events still in the inbox when the loop gave up: routed nowhere
         self.closing = False  # set by the loop: from now on routing never waits
         self._next = 0  # index of the next entry of the chunk being routed
+        self._draining = anyio.Lock()
+        self._taken: list[Any] = []  # the chunk being routed (counted if the loop is abandoned)
         self._routes: dict[type, tuple[Delivery, ...]] = {}
         self._drop_lock = threading.Lock()
         self._start = start
@@ -76,13 +81,18 @@ class Router:
 
         `force`: never wait for room in a lossless queue (shutdown: nobody may hold it up).
         """
-        taken = self.inbox.take(chunk)
+        async with self._draining:  # one drain at a time: FIFO even across the loop's tasks
+            await self._drain(chunk, force)
+
+    async def _drain(self, chunk: int, force: bool) -> None:
+        taken = self._taken = self.inbox.take(chunk)
         try:
             await self._route_all(taken, force)
         except BaseException:  # cancelled mid-chunk: what was taken and not routed is lost
             self._count_lost(taken[self._next:])
             raise
         finally:
+            self._taken = []
             self.inbox.space()  # publishers waiting on a full inbox look again
 
     async def _route_all(self, taken: list[Any], force: bool) -> None:
@@ -108,7 +118,7 @@ class Router:
             for k, d in enumerate(targets):
                 q = d.queue
                 assert q is not None
-                if not q.put_nowait(item, nbytes, force=force):
+                if not q.put_nowait(item, nbytes, force=force or self.closing):
                     inbox.space()  # room in the inbox while this queue is full
                     try:
                         await self._wait_for_room(d, item, nbytes)
@@ -155,9 +165,11 @@ class Router:
     async def _control(self, item: Any) -> None:
         if type(item) is Attach:
             d = item.delivery
+            self.pending_lossless.discard(d)
             if d.state is not State.PENDING:  # removed before the loop attached it
                 return
             d.open()
+            d.worker.owner = self.inbox  # its thread is this bus's side
             self._set((*self.deliveries, d))
             self._start(d)
         elif type(item) is Detach:
@@ -205,7 +217,8 @@ class Router:
 
     def remaining(self) -> list[Any]:
         """What is still in the inbox (shutdown gave up): count it lost for its subscribers."""
-        lost = self.inbox.take(len(self.inbox))
+        lost = self._taken[self._next:] + self.inbox.take(len(self.inbox))  # a chunk in hand too
+        self._taken = []
         self._count_lost(lost)
         return lost
 

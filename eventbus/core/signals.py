@@ -38,13 +38,14 @@ class SignalDrain:
             signal.signal(sig, self._on_signal)
 
     def restore(self) -> None:
-        """Put back what was there, unless someone replaced us meanwhile."""
+        """Put back what was there, unless someone replaced us meanwhile: then we stay in
+        their chain, and still pass the signal on to what we replaced."""
         if threading.current_thread() is not threading.main_thread():
             return
-        for sig, prev in self._prev.items():
+        for sig, prev in list(self._prev.items()):
             if signal.getsignal(sig) == self._on_signal:
                 signal.signal(sig, prev)
-        self._prev.clear()
+                del self._prev[sig]
 
     def forget(self) -> None:
         """In a forked child: the handlers are the parent's business."""

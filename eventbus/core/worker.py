@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ThreadWorker", "in_worker", "worker_name"]
+__all__ = ["ThreadWorker", "in_worker", "worker_name", "worker_owner"]
 
 _local = threading.local()
 
@@ -20,6 +20,11 @@ _local = threading.local()
 def in_worker() -> bool:
     """True on a subscriber's worker thread (where waiting for the bus could deadlock)."""
     return getattr(_local, "worker", False)
+
+
+def worker_owner() -> object | None:
+    """What this worker thread serves (its bus's inbox; None elsewhere)."""
+    return getattr(_local, "owner", None)
 
 
 def worker_name() -> str | None:
@@ -40,6 +45,7 @@ class ThreadWorker:
 
     def __init__(self, name: str) -> None:
         self.name = name
+        self.owner: object | None = None  # set before the first call: whose bus side it is
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"eventbus-{name}", daemon=True)
         self._started = False
@@ -64,6 +70,7 @@ class ThreadWorker:
     def _run(self) -> None:
         _local.worker = True
         _local.name = self.name
+        _local.owner = self.owner
         while True:
             item = self._q.get()
             if item is None:
