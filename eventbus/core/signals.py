@@ -25,6 +25,7 @@ class SignalDrain:
     def __init__(self, close: Callable[[], Any]) -> None:
         self._close = close
         self._prev: dict[int, Any] = {}
+        self._restored = False  # closed: a handler still in someone's chain only passes on
 
     def install(self) -> None:
         """Install (main thread only); the previous handlers are kept for chaining."""
@@ -42,9 +43,10 @@ class SignalDrain:
         their chain, and still pass the signal on to what we replaced."""
         if threading.current_thread() is not threading.main_thread():
             return
+        self._restored = True
         for sig, prev in list(self._prev.items()):
             if signal.getsignal(sig) == self._on_signal:
-                signal.signal(sig, prev)
+                signal.signal(sig, _unwrap(prev, sig))
                 del self._prev[sig]
 
     def forget(self) -> None:
@@ -58,3 +60,14 @@ class SignalDrain:
             prev(signum, frame)
         elif prev != signal.SIG_IGN:
             raise SystemExit(128 + signum)
+
+
+def _unwrap(handler: Any, sig: int) -> Any:
+    """Skip the handlers of buses already closed (another bus put them in its chain): put
+    back what the user had installed, not a closed bus's pass-through."""
+    while isinstance(getattr(handler, "__self__", None), SignalDrain):
+        drain = handler.__self__
+        if not drain._restored:
+            break
+        handler = drain._prev.get(sig, signal.SIG_DFL)
+    return handler
