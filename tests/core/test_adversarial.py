@@ -1098,3 +1098,55 @@ def test_a_lossless_subscriber_gets_what_is_published_right_after_subscribe() ->
     st = bus.close(timeout=5)
     assert [e.step for e in rec.got] == list(range(500)), st
     _identity(st)
+
+
+# -- a subscriber that consumes or extends the batch list it is handed ----------------------
+
+
+class Consumes:
+    """Takes events off the list it was handed (as `while batch: batch.pop()` does), and
+    raises on the batch holding step 13 after emptying it."""
+
+    policy = "block"
+
+    def __init__(self) -> None:
+        self.got: list[Event] = []
+
+    async def on_events(self, batch: list[Event]) -> None:
+        bad = any(ev.step == 13 for ev in batch)
+        while batch:
+            self.got.append(batch.pop(0))
+        if bad:
+            raise ValueError("thirteen")
+
+
+class Extends:
+    """Appends derived events to the list it was handed."""
+
+    policy = "block"
+
+    async def on_events(self, batch: list[Event]) -> None:
+        batch.extend(Scalars(step=ev.step, values={}) for ev in list(batch))
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.xfail(
+    strict=True,
+    reason="Delivery._call_batch reads len(batch)/batch[0] after the subscriber ran: an emptied "
+    "list kills the loop (IndexError), an extended one counts extra deliveries",
+)
+@pytest.mark.parametrize("sub", [Consumes, Extends])
+def test_a_subscriber_that_changes_its_batch_list_keeps_counts_and_the_bus(sub: type) -> None:
+    rec = Recorder()
+    bus = EventBus(drain_interval=0.002, close_timeout=5)
+    bus.subscribe(sub(), name="sub", max_batch=4)
+    bus.subscribe(rec)
+    with bus:
+        for i in range(40):
+            bus.publish(Loss(step=i, value=0.0))
+        assert bus.flush(3)  # its markers are reached: what it handled is counted
+    st = bus.stats()
+    assert st.error is None, st.error
+    assert len(rec.got) == 40
+    assert st["sub"].delivered + st["sub"].failed == 40, st["sub"]
+    _identity(st)
