@@ -1150,3 +1150,90 @@ def test_a_subscriber_that_changes_its_batch_list_keeps_counts_and_the_bus(sub: 
     assert len(rec.got) == 40
     assert st["sub"].delivered + st["sub"].failed == 40, st["sub"]
     _identity(st)
+
+
+# -- SIGTERM landing inside publish ------------------------------------------------------------
+
+_SIGTERM_IN_PUBLISH = """
+import dataclasses, os, signal, time
+from eventbus import Event, EventBus
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class Text(Event):
+    text: str = ""
+
+class Rec:
+    policy = "block"
+    n = 0
+    async def on_events(self, batch):
+        Rec.n += len(batch)
+
+bus = EventBus(drain_interval=1.0, close_timeout=1)
+bus.subscribe(Rec())
+bus.start()
+bus.flush(5)
+for i in range(50):
+    bus.publish(Text(step=i, text="x" * 4096))  # big: counted in bytes, waiting for the timer
+# SIGTERM arrives while publish is inside the inbox's locked section (put_boxed adding
+# nbytes, _admit counting a drop): the Python handler runs right there, on this thread.
+with bus._inbox._lock:
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.01)
+"""
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="SignalDrain._on_signal closes on the interrupted thread; Inbox._lock is not "
+    "reentrant: loop blocks in unbox, then abandon_blocked->remaining->unbox self-deadlocks",
+)
+@pytest.mark.timeout(30)
+def test_sigterm_landing_inside_publishs_locked_section_still_exits() -> None:
+    """The SIGTERM handler closes the bus on the thread it interrupted. If that thread was
+    inside publish holding the inbox's lock, close must not wait for that lock (the loop
+    thread then blocks on it too, and abandon_blocked deadlocks on it for ever)."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen(
+        [sys.executable, "-c", _SIGTERM_IN_PUBLISH],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _, err = p.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        pytest.fail("the process hangs for ever after SIGTERM")
+    assert p.returncode == 128 + signal.SIGTERM, err[-2000:]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="SubscriberQueue._put_latest catches only Exception from key(): SystemExit or "
+    "KeyboardInterrupt from it still kills the bus thread",
+)
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("exc", [SystemExit, KeyboardInterrupt])
+def test_latest_key_raising_a_base_exception_does_not_kill_the_bus(exc: type) -> None:
+    """Guarantee 3 names BaseException: a key function is the subscriber's code too."""
+    rec = Recorder()
+
+    def bad_key(ev: Event) -> Any:
+        if ev.step == 5:
+            raise exc("key")
+        return ev.step
+
+    bus = EventBus(drain_interval=0.002)
+    bus.subscribe(rec)
+    bus.subscribe(lambda ev: None, policy="latest", key=bad_key, name="latest")
+    with bus:
+        for i in range(20):
+            bus.publish(Loss(step=i, value=1.0))
+        assert bus.flush(5)
+    st = bus.stats()
+    assert st.error is None, st.error
+    assert len(rec.got) == 20
+    _identity(st)
