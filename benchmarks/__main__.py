@@ -26,13 +26,25 @@ START = "<!-- benchmarks:table:start -->"
 END = "<!-- benchmarks:table:end -->"
 
 REQUIRED = (
-    "overhead.eventbus_publish_p50_ns", "overhead.eventbus_publish_p99_ns",
-    "overhead.hf_callbackhandler_4_p50_ns", "overhead.lightning_hooks_4_p50_ns",
-    "overhead.blinker_4_p50_ns", "overhead.sync_list_4_p50_ns",
-    "stall.none_p50_ms", "stall.none_p99_ms", "stall.eventbus_p50_ms", "stall.eventbus_p99_ms",
-    "stall.inline_p50_ms", "stall.inline_p99_ms",
-    "throughput.events", "throughput.events_per_s", "throughput.lost", "throughput.rss_peak_mb",
-    "gil.none_p50_ms", "gil.in_thread_p50_ms", "gil.process_p50_ms",
+    "overhead.eventbus_publish_p50_ns",
+    "overhead.eventbus_publish_p99_ns",
+    "overhead.hf_callbackhandler_4_p50_ns",
+    "overhead.lightning_hooks_4_p50_ns",
+    "overhead.blinker_4_p50_ns",
+    "overhead.sync_list_4_p50_ns",
+    "stall.none_p50_ms",
+    "stall.none_p99_ms",
+    "stall.eventbus_p50_ms",
+    "stall.eventbus_p99_ms",
+    "stall.inline_p50_ms",
+    "stall.inline_p99_ms",
+    "throughput.events",
+    "throughput.events_per_s",
+    "throughput.lost",
+    "throughput.rss_peak_mb",
+    "gil.none_p50_ms",
+    "gil.in_thread_p50_ms",
+    "gil.process_p50_ms",
 )
 
 
@@ -81,22 +93,43 @@ def _derived(r: dict[str, Any]) -> dict[str, Any]:
     infl_p99 = ratio("stall.eventbus_p99_ms", "stall.none_p99_ms")
     proc = ratio("gil.process_p50_ms", "gil.none_p50_ms")
     checks: dict[str, tuple[float | None, str, Callable[[float], bool]]] = {
-        "publish_p50_le_1us": (get("overhead.eventbus_publish_p50_ns"), "<= 1000 ns",
-                               lambda v: v <= 1000),
-        "publish_p99_le_5us": (get("overhead.eventbus_publish_p99_ns"), "<= 5000 ns",
-                               lambda v: v <= 5000),
+        "publish_p50_le_1us": (
+            get("overhead.eventbus_publish_p50_ns"),
+            "<= 1000 ns",
+            lambda v: v <= 1000,
+        ),
+        "publish_p99_le_5us": (
+            get("overhead.eventbus_publish_p99_ns"),
+            "<= 5000 ns",
+            lambda v: v <= 5000,
+        ),
         "hf_over_publish_ge_7x": (hf, ">= 7x", lambda v: v >= 7),
-        "stall_p50_inflation_le_2pct": (None if infl_p50 is None else infl_p50 - 1, "<= 0.02",
-                                        lambda v: v <= 0.02),
-        "stall_p99_inflation_le_5pct": (None if infl_p99 is None else infl_p99 - 1, "<= 0.05",
-                                        lambda v: v <= 0.05),
-        "throughput_ge_400k_per_s": (get("throughput.events_per_s"), ">= 400000",
-                                     lambda v: v >= 400_000),
+        "stall_p50_inflation_le_2pct": (
+            None if infl_p50 is None else infl_p50 - 1,
+            "<= 0.02",
+            lambda v: v <= 0.02,
+        ),
+        "stall_p99_inflation_le_5pct": (
+            None if infl_p99 is None else infl_p99 - 1,
+            "<= 0.05",
+            lambda v: v <= 0.05,
+        ),
+        "throughput_ge_400k_per_s": (
+            get("throughput.events_per_s"),
+            ">= 400000",
+            lambda v: v >= 400_000,
+        ),
         "throughput_lost_eq_0": (get("throughput.lost"), "== 0", lambda v: v == 0),
-        "wakeups_p50_inflation_le_2pct": (get("wakeups.p50_inflation"), "<= 0.02",
-                                          lambda v: v <= 0.02),
-        "process_placement_le_5pct": (None if proc is None else proc - 1, "<= 0.05",
-                                      lambda v: v <= 0.05),
+        "wakeups_p50_inflation_le_2pct": (
+            get("wakeups.p50_inflation"),
+            "<= 0.02",
+            lambda v: v <= 0.02,
+        ),
+        "process_placement_le_5pct": (
+            None if proc is None else proc - 1,
+            "<= 0.05",
+            lambda v: v <= 0.05,
+        ),
     }
     for name, (value, target, ok) in checks.items():
         out[f"targets.{name}.value"] = None if value is None else round(value, 4)
@@ -139,8 +172,10 @@ def table(r: dict[str, Any]) -> str:
         ("Lightning `_call_callback_hooks`, 4 callbacks (per hook)", "lightning_hooks_4"),
     ]
     for label, key in rows:
-        lines.append(f"| {label} | {_fmt(r.get(o + key + '_p50_ns'))} | "
-                     f"{_fmt(r.get(o + key + '_p99_ns'))} | {_fmt(r.get(o + key + '_mean_ns'))} |")
+        lines.append(
+            f"| {label} | {_fmt(r.get(o + key + '_p50_ns'))} | "
+            f"{_fmt(r.get(o + key + '_p99_ns'))} | {_fmt(r.get(o + key + '_mean_ns'))} |"
+        )
     lines += [
         "",
         "**Step time of a small MLP on CPU** (ms per step; inflation against (a))",
@@ -150,8 +185,10 @@ def table(r: dict[str, Any]) -> str:
     ]
     srows = [
         ("(a) no instrumentation", "none"),
-        ("(b) eventbus: JSONL, TensorBoard, divergence, memory, speed + a 50 ms subscriber",
-         "eventbus"),
+        (
+            "(b) eventbus: JSONL, TensorBoard, divergence, memory, speed + a 50 ms subscriber",
+            "eventbus",
+        ),
         ("(c) the same inline, as the peers do it (incl. the 50 ms callback)", "inline"),
         ("(c') inline without the 50 ms callback", "inline_nosleep"),
         ("(b') eventbus as (b), `drain_interval=0.05` (default 0.02)", "eventbus_drain50"),
@@ -166,7 +203,8 @@ def table(r: dict[str, Any]) -> str:
             lines.append(
                 f"| {label} | {_fmt(r.get(p + '_p50_ms'))} | {_fmt(r.get(p + '_p99_ms'))} | "
                 f"{'' if key == 'none' else _pct(r.get(p + '_p50_inflation'))} | "
-                f"{'' if key == 'none' else _pct(r.get(p + '_p99_inflation'))} |")
+                f"{'' if key == 'none' else _pct(r.get(p + '_p99_inflation'))} |"
+            )
     lines += [
         "",
         "**Throughput, wake-ups, GIL**",
@@ -179,8 +217,12 @@ def table(r: dict[str, Any]) -> str:
         f"{_fmt(r.get('stall.eventbus_bus_side_cpu_ms_per_step'))} / "
         f"{_fmt(r.get('stall.eventbus_drain50_bus_side_cpu_ms_per_step'))} |",
         "| bus-side CPU per step, each subscriber of (b) alone, ms | "
-        + ", ".join(f"{k.rsplit('.', 1)[1]} {_fmt(v)}" for k, v in r.items()
-                    if k.startswith("stall.bus_side_cpu_ms_per_step.")) + " |",
+        + ", ".join(
+            f"{k.rsplit('.', 1)[1]} {_fmt(v)}"
+            for k, v in r.items()
+            if k.startswith("stall.bus_side_cpu_ms_per_step.")
+        )
+        + " |",
         f"| sustained events/s, first publish to close() returned | "
         f"{_fmt(r.get('throughput.events_per_s'))} |",
         f"| publisher alone, events/s | {_fmt(r.get('throughput.publish_events_per_s'))} |",
@@ -210,10 +252,12 @@ def table(r: dict[str, Any]) -> str:
         "|---|---:|:---:|",
     ]
     for k in sorted(x for x in r if x.startswith("targets.") and x.endswith(".target")):
-        name = k[len("targets."):-len(".target")]
+        name = k[len("targets.") : -len(".target")]
         met = r.get(f"targets.{name}.met")
-        lines.append(f"| {name} ({r[k]}) | {_fmt(r.get(f'targets.{name}.value'))} | "
-                     f"{'n/a' if met is None else 'yes' if met else '**no**'} |")
+        lines.append(
+            f"| {name} ({r[k]}) | {_fmt(r.get(f'targets.{name}.value'))} | "
+            f"{'n/a' if met is None else 'yes' if met else '**no**'} |"
+        )
     return "\n".join(lines)
 
 
@@ -245,10 +289,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="FILE", help="write the results here")
     p.add_argument("--plot", metavar="PNG", help="step-time distributions of the stall run")
     p.add_argument("--doc", metavar="MD", help="rewrite the results table in this Markdown file")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="also run the stall benchmark on the GPU (auto: when one exists)")
-    p.add_argument("--only", default=",".join(PARTS),
-                   help=f"comma-separated parts to run (default: {','.join(PARTS)})")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="also run the stall benchmark on the GPU (auto: when one exists)",
+    )
+    p.add_argument(
+        "--only",
+        default=",".join(PARTS),
+        help=f"comma-separated parts to run (default: {','.join(PARTS)})",
+    )
     a = p.parse_args(argv)
     parts = [x.strip() for x in a.only.split(",") if x.strip()]
     unknown = sorted(set(parts) - set(PARTS))
@@ -264,8 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     # library's close-time warnings off the console.
     logging.getLogger("eventbus").setLevel(logging.ERROR)
     command = "python -m benchmarks" + (" " + " ".join(sys.argv[1:]) if argv is None else "")
-    r: dict[str, Any] = {"run.started": time.time(), "run.quick": a.quick,
-                         "run.command": command, "run.load_before": load_average()}
+    r: dict[str, Any] = {
+        "run.started": time.time(),
+        "run.quick": a.quick,
+        "run.command": command,
+        "run.load_before": load_average(),
+    }
     samples: dict[str, Any] = {}
     t_start = time.perf_counter()
     runners: dict[str, Callable[[], dict[str, Any]]] = {
@@ -291,8 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         r[f"run.{name}_seconds"] = round(time.perf_counter() - t0, 1)
         print(f"[benchmarks] {name} done in {r[f'run.{name}_seconds']} s", file=sys.stderr)
     if "gil" not in parts:
-        r.update(dict.fromkeys(("gil.none_p50_ms", "gil.in_thread_p50_ms",
-                                "gil.process_p50_ms")))
+        r.update(dict.fromkeys(("gil.none_p50_ms", "gil.in_thread_p50_ms", "gil.process_p50_ms")))
     r["run.seconds"] = round(time.perf_counter() - t_start, 1)
     r["run.load_after"] = load_average()
     r.update(_derived(r))

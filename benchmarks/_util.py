@@ -143,8 +143,8 @@ def blockwise_inflation(blocks: list[list[float]], base: list[list[float]]) -> f
     machine's load cancels within the pair.
     """
     ratios = sorted(
-        percentile(sorted(b), 50) / percentile(sorted(a), 50) for b, a in zip(blocks, base,
-                                                                          strict=True)
+        percentile(sorted(b), 50) / percentile(sorted(a), 50)
+        for b, a in zip(blocks, base, strict=True)
     )
     return percentile(ratios, 50) - 1.0
 
@@ -210,8 +210,19 @@ def machine() -> dict[str, Any]:
 
 
 _PACKAGES = (
-    "eventbus", "torch", "anyio", "orjson", "structlog", "numpy", "transformers",
-    "pytorch-lightning", "blinker", "tensorboard", "matplotlib", "psutil", "mosaicml",
+    "eventbus",
+    "torch",
+    "anyio",
+    "orjson",
+    "structlog",
+    "numpy",
+    "transformers",
+    "pytorch-lightning",
+    "blinker",
+    "tensorboard",
+    "matplotlib",
+    "psutil",
+    "mosaicml",
 )
 
 

@@ -39,8 +39,9 @@ def _hf(bus: EventBus, steps: int) -> float:
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     args: Any = SimpleNamespace(per_device_train_batch_size=8, gradient_accumulation_steps=1)
     state: Any = SimpleNamespace(global_step=0, num_input_tokens_seen=0)
-    control: Any = SimpleNamespace(should_training_stop=False, should_save=False,
-                              should_evaluate=False)
+    control: Any = SimpleNamespace(
+        should_training_stop=False, should_save=False, should_evaluate=False
+    )
     t0 = time.perf_counter_ns()
     for k in range(steps):
         cb.on_step_begin(args, state, control)
@@ -48,8 +49,12 @@ def _hf(bus: EventBus, steps: int) -> float:
         cb.on_optimizer_step(args, state, control, optimizer=opt)
         state.global_step = k + 1
         cb.on_step_end(args, state, control)
-        cb.on_log(args, state, control, logs={"loss": 1.0, "grad_norm": 0.5,
-                                              "learning_rate": 0.1, "epoch": 0.1})
+        cb.on_log(
+            args,
+            state,
+            control,
+            logs={"loss": 1.0, "grad_norm": 0.5, "learning_rate": 0.1, "epoch": 0.1},
+        )
     return (time.perf_counter_ns() - t0) / steps / 1000
 
 
@@ -84,8 +89,10 @@ def main(argv: list[str] | None = None) -> None:
             with bus:
                 results[name].append(fn(bus, opts.steps))
     for name, us in results.items():
-        print(f"{name:13s} bridge hooks per step: median {statistics.median(us):6.1f} us "
-              f"(min {min(us):.1f}, max {max(us):.1f}; {opts.steps} steps x {opts.repeats})")
+        print(
+            f"{name:13s} bridge hooks per step: median {statistics.median(us):6.1f} us "
+            f"(min {min(us):.1f}, max {max(us):.1f}; {opts.steps} steps x {opts.repeats})"
+        )
 
 
 if __name__ == "__main__":

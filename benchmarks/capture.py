@@ -1,17 +1,17 @@
 """Tensor capture: what publishing tensors and watching a model costs the training thread.
 
-  publish.*   per-call cost of `bus.publish` (ns; empty-call timer overhead subtracted) for a
-              plain event, a Loss holding a CPU scalar tensor (also with 8 subscribers: the
-              cost must not grow), Scalars holding 8 CPU tensors, and on CUDA the same with
-              device tensors (pinned non-blocking copy + one recorded event);
-  watch.*     extra training-thread time of one watched step (`watch(every=1)`: weights,
-              grads and activations of a tiny GPT) and of a step that is not watched;
-  step.*      step time of the tiny GPT trained with and without the full instrumentation
-              (bus.step + instrument() + Loss published + watch(every=10)), in blocks that
-              rotate between variants; on CUDA each step ends with a synchronize so the time
-              includes the device's work.
+publish.*   per-call cost of `bus.publish` (ns; empty-call timer overhead subtracted) for a
+            plain event, a Loss holding a CPU scalar tensor (also with 8 subscribers: the
+            cost must not grow), Scalars holding 8 CPU tensors, and on CUDA the same with
+            device tensors (pinned non-blocking copy + one recorded event);
+watch.*     extra training-thread time of one watched step (`watch(every=1)`: weights,
+            grads and activations of a tiny GPT) and of a step that is not watched;
+step.*      step time of the tiny GPT trained with and without the full instrumentation
+            (bus.step + instrument() + Loss published + watch(every=10)), in blocks that
+            rotate between variants; on CUDA each step ends with a synchronize so the time
+            includes the device's work.
 
-    python -m benchmarks.capture [--quick] [--device cpu|cuda]
+  python -m benchmarks.capture [--quick] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -107,8 +107,7 @@ def _publish_costs(quick: bool, device: str) -> dict[str, Any]:
         return [Loss(step=i, value=scalar) for i in range(n)]
 
     def scalars8(n: int) -> Sequence[Any]:
-        return [Scalars(step=i, values={f"m{j}": t for j, t in enumerate(eight)})
-                for i in range(n)]
+        return [Scalars(step=i, values={f"m{j}": t for j, t in enumerate(eight)}) for i in range(n)]
 
     tag = "" if device == "cpu" else "cuda_"
     contenders: dict[str, tuple[Callable[[int], Sequence[Any]], Callable[[Any], Any]]] = {
@@ -145,8 +144,9 @@ def _publish_costs(quick: bool, device: str) -> dict[str, Any]:
 class _Trainer:
     """One tiny-GPT training setup; `step()` returns its wall time in ms."""
 
-    def __init__(self, device: str, bus: EventBus | None, *, every: int | None,
-                 instrumented: bool) -> None:
+    def __init__(
+        self, device: str, bus: EventBus | None, *, every: int | None, instrumented: bool
+    ) -> None:
         torch.manual_seed(0)
         self.device = torch.device(device)
         self.model = TinyGPT().to(self.device)
@@ -159,8 +159,9 @@ class _Trainer:
         if bus is not None and instrumented:
             self.hooks.append(instrument(self.model, self.opt, bus))
         gen = torch.Generator(device=self.device).manual_seed(0)
-        self.batches = [torch.randint(0, 64, (8, 32), device=self.device, generator=gen)
-                        for _ in range(16)]
+        self.batches = [
+            torch.randint(0, 64, (8, 32), device=self.device, generator=gen) for _ in range(16)
+        ]
 
     def _train(self, idx: torch.Tensor) -> torch.Tensor:
         logits = self.model(idx)
@@ -233,8 +234,7 @@ def _step_times(quick: bool, device: str) -> dict[str, Any]:
 
 def run(quick: bool = False, device: str | None = None) -> dict[str, Any]:
     """Every measurement, as flat `capture.*` keys; CUDA too when a device is present."""
-    devices = [device] if device else (["cpu", "cuda"] if torch.cuda.is_available()
-                                       else ["cpu"])
+    devices = [device] if device else (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
     out: dict[str, Any] = {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one CPU thread: steady step times on a shared machine

@@ -81,8 +81,12 @@ class BusyAnalysis:
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(),
-        torch.nn.Linear(256, 1))
+        torch.nn.Linear(128, 256),
+        torch.nn.ReLU(),
+        torch.nn.Linear(256, 256),
+        torch.nn.ReLU(),
+        torch.nn.Linear(256, 1),
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(4096, 128)
     y = x[:, :1].clone()
@@ -121,9 +125,11 @@ def serialisation() -> dict[str, float]:
 
     evs: list[Event] = []
     for i in range(512):
-        evs += [Loss(step=i, value=1.0 / (i + 1), ts=time.time_ns(), seq=3 * i, rank=0),
-                StepEnded(step=i, duration_s=0.002, samples=32, ts=1, seq=3 * i + 1, rank=0),
-                Scalars(step=i, values={"a": 1.0, "b": 2.0}, ts=1, seq=3 * i + 2, rank=0)]
+        evs += [
+            Loss(step=i, value=1.0 / (i + 1), ts=time.time_ns(), seq=3 * i, rank=0),
+            StepEnded(step=i, duration_s=0.002, samples=32, ts=1, seq=3 * i + 1, rank=0),
+            Scalars(step=i, values={"a": 1.0, "b": 2.0}, ts=1, seq=3 * i + 2, rank=0),
+        ]
 
     def best_us(fn: Any) -> float:
         best = min(_wall(fn) for _ in range(20))
@@ -134,10 +140,10 @@ def serialisation() -> dict[str, float]:
     return {
         "gil.pack_us_per_event": best_us(lambda: pack(evs)),
         "gil.unpack_us_per_event": best_us(lambda: unpack(blob)),
-        "gil.codec_encode_us_per_event": best_us(
-            lambda: b"".join(codec.encode(e) for e in evs)),
+        "gil.codec_encode_us_per_event": best_us(lambda: b"".join(codec.encode(e) for e in evs)),
         "gil.codec_decode_us_per_event": best_us(
-            lambda: [codec.decode(x) for x in lines.splitlines()]),
+            lambda: [codec.decode(x) for x in lines.splitlines()]
+        ),
     }
 
 
@@ -179,13 +185,14 @@ def run(quick: bool = False) -> dict[str, Any]:
         start_s = time.perf_counter() - t0
         trainer.block(buses["none"], 30)  # warm-up, untimed
         for r in range(rounds):
-            for label in labels[r % 3:] + labels[: r % 3]:
+            for label in labels[r % 3 :] + labels[: r % 3]:
                 times[label] += trainer.block(buses[label], block)
                 buses[label].flush(timeout=60)  # the subscriber idle again before the next
     finally:
         stats = {label: b.close() for label, b in buses.items()}
-    out: dict[str, Any] = {"gil.work_per_event_ms": round(min(_cpu(loops) for _ in range(5))
-                                                          * 1000, 2)}
+    out: dict[str, Any] = {
+        "gil.work_per_event_ms": round(min(_cpu(loops) for _ in range(5)) * 1000, 2)
+    }
     for label in labels:
         out[f"gil.{label}_p50_ms"] = _p(times[label], 50)
         out[f"gil.{label}_p90_ms"] = _p(times[label], 90)

@@ -63,7 +63,8 @@ def run(n: int = 2000) -> dict[str, Any]:
         "profiler_step_us": _us(lambda i: prof.on_events([StepEnded(step=i, ts=now)]), n),
         "profiler_snapshot_us": _us(lambda i: prof.snapshot(n + i), n),
         "speed_update_us": _us(
-            lambda i: speed.update(StepEnded(step=i, ts=now + i * 10**6, samples=32)), n),
+            lambda i: speed.update(StepEnded(step=i, ts=now + i * 10**6, samples=32)), n
+        ),
     }
     if rss_procfs_available():
         res["rss_procfs_us"] = _us(lambda i: rss_bytes_procfs(), n)

@@ -83,8 +83,9 @@ def _hf_contender() -> Callable[[Any], Any]:
 
     callbacks = [NoopCallback() for _ in range(4)]
     handler = CallbackHandler(callbacks, None, None, None, None)  # type: ignore[no-untyped-call]
-    args = TrainingArguments(output_dir=tempfile.mkdtemp(prefix="eventbus-bench-hf-"),
-                             report_to=[], use_cpu=True)
+    args = TrainingArguments(
+        output_dir=tempfile.mkdtemp(prefix="eventbus-bench-hf-"), report_to=[], use_cpu=True
+    )
     state, control = TrainerState(), TrainerControl()
 
     def dispatch(_: Any) -> Any:
@@ -113,9 +114,13 @@ def _lightning_contender() -> Callable[[Any], Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = pl.Trainer(
-            callbacks=[NoopCallback() for _ in range(4)], logger=False,
-            enable_checkpointing=False, enable_progress_bar=False,
-            enable_model_summary=False, accelerator="cpu", devices=1,
+            callbacks=[NoopCallback() for _ in range(4)],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            accelerator="cpu",
+            devices=1,
         )
     callbacks = trainer.callbacks  # type: ignore[attr-defined]
     if len(callbacks) != 4:
@@ -179,8 +184,9 @@ def _bus_thread_ns_per_event(bus: EventBus, rounds: int, calls: int) -> float:
     return (_thread_cpu_s(tid) - c0) * 1e9 / (rounds * calls)
 
 
-def run(quick: bool = False, *, rounds: int | None = None, calls: int | None = None
-        ) -> dict[str, Any]:
+def run(
+    quick: bool = False, *, rounds: int | None = None, calls: int | None = None
+) -> dict[str, Any]:
     """Measure every contender; flat `overhead.*` keys, ns per event."""
     rounds = rounds if rounds is not None else (16 if quick else 60)
     calls = calls if calls is not None else (2000 if quick else 5000)
@@ -205,8 +211,12 @@ def run(quick: bool = False, *, rounds: int | None = None, calls: int | None = N
         "hf_callbackhandler_4": (_small_events, _hf_contender()),
         "lightning_hooks_4": (_steps, _lightning_contender()),
     }
-    bus_of = {"eventbus_publish": bus4, "eventbus_publish_1sub": bus1,
-              "eventbus_publish_tensor": bus4, "eventbus_build_and_publish": bus4}
+    bus_of = {
+        "eventbus_publish": bus4,
+        "eventbus_publish_1sub": bus1,
+        "eventbus_publish_tensor": bus4,
+        "eventbus_build_and_publish": bus4,
+    }
 
     def between(name: str) -> None:
         bus = bus_of.get(name)
@@ -227,13 +237,16 @@ def run(quick: bool = False, *, rounds: int | None = None, calls: int | None = N
     out["overhead.samples_per_contender"] = rounds * calls
     out["overhead.timer_overhead_ns"] = round(call_overhead_ns(), 1)
     out["overhead.hf_over_eventbus_p50"] = round(
-        out["overhead.hf_callbackhandler_4_p50_ns"] / max(out["overhead.eventbus_publish_p50_ns"],
-                                                          1.0), 2)
+        out["overhead.hf_callbackhandler_4_p50_ns"]
+        / max(out["overhead.eventbus_publish_p50_ns"], 1.0),
+        2,
+    )
     published4 = st4.published
     out["overhead.eventbus_bus_thread_cpu_ns_per_event"] = round(route_ns, 1)
     out["overhead.eventbus_slow_dropped"] = st4.subscribers["slow"].dropped
     out["overhead.eventbus_fast_delivered"] = sum(
-        s.delivered for n, s in st4.subscribers.items() if n != "slow")
+        s.delivered for n, s in st4.subscribers.items() if n != "slow"
+    )
     out["overhead.eventbus_published"] = published4
     return out
 

@@ -58,8 +58,10 @@ def main() -> None:
         w = JsonlWriter(Path(d) / "j")
         pub_us, rate = _through_bus(w, evs, "jsonl")
         mb = w.path.stat().st_size / 1e6
-        print(f"jsonl:       {args.events:,} events, publish {pub_us:.2f} us/event, "
-              f"{rate:,.0f} events/s to disk ({mb:.1f} MB)")
+        print(
+            f"jsonl:       {args.events:,} events, publish {pub_us:.2f} us/event, "
+            f"{rate:,.0f} events/s to disk ({mb:.1f} MB)"
+        )
         t0 = time.perf_counter()
         n = 0
 
@@ -71,10 +73,11 @@ def main() -> None:
         dt = time.perf_counter() - t0
         print(f"replay:      {n:,} events, {n / dt:,.0f} events/s (read, rebuild, deliver)")
         tb_n = min(args.events, 40_000)
-        pub_us, rate = _through_bus(TensorBoardSink(Path(d) / "tb"), _events(tb_n),
-                                    "tensorboard")
-        print(f"tensorboard: {tb_n:,} events, publish {pub_us:.2f} us/event, "
-              f"{rate:,.0f} events/s to disk")
+        pub_us, rate = _through_bus(TensorBoardSink(Path(d) / "tb"), _events(tb_n), "tensorboard")
+        print(
+            f"tensorboard: {tb_n:,} events, publish {pub_us:.2f} us/event, "
+            f"{rate:,.0f} events/s to disk"
+        )
 
 
 if __name__ == "__main__":

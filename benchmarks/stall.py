@@ -68,8 +68,11 @@ class _Trainer:
         self.device = device
         self.batch = batch
         self.model = torch.nn.Sequential(
-            torch.nn.Linear(256, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
-            torch.nn.ReLU(), torch.nn.Linear(width, 10),
+            torch.nn.Linear(256, width),
+            torch.nn.ReLU(),
+            torch.nn.Linear(width, width),
+            torch.nn.ReLU(),
+            torch.nn.Linear(width, 10),
         ).to(device)
         self.params = list(self.model.parameters())
         self.lr = 0.01
@@ -128,8 +131,13 @@ def _make_bus(root: Path, drain_interval: float | None) -> Any:
     return bus
 
 
-def _run_eventbus(tr: _Trainer, steps: int, root: Path, totals: dict[str, int],
-                  drain_interval: float | None = None) -> list[float]:
+def _run_eventbus(
+    tr: _Trainer,
+    steps: int,
+    root: Path,
+    totals: dict[str, int],
+    drain_interval: float | None = None,
+) -> list[float]:
     from eventbus.events import Loss, OptimizerStepped, StepEnded
 
     bus = _make_bus(root, drain_interval)
@@ -192,8 +200,19 @@ class _Inline:
         w.add_scalar("perf/samples_per_s", samples / dt, step)
         w.add_scalar("memory/rss_mb", rss_mb, step)
         w.flush()
-        self.file.write(json.dumps({"type": "Loss", "step": step, "value": lv,
-                                    "grad_norm": gv, "lr": lr, "rss_mb": rss_mb}) + "\n")
+        self.file.write(
+            json.dumps(
+                {
+                    "type": "Loss",
+                    "step": step,
+                    "value": lv,
+                    "grad_norm": gv,
+                    "lr": lr,
+                    "rss_mb": rss_mb,
+                }
+            )
+            + "\n"
+        )
         self.file.flush()
         self.rule.update(step, lv)
         if self.sleep:
@@ -221,8 +240,12 @@ def _run_inline(tr: _Trainer, steps: int, root: Path, sleep: bool) -> list[float
 
 
 def measure(
-    quick: bool = False, device: str = "cpu", *, blocks: int | None = None,
-    steps: int | None = None, threads: int = 1,
+    quick: bool = False,
+    device: str = "cpu",
+    *,
+    blocks: int | None = None,
+    steps: int | None = None,
+    threads: int = 1,
 ) -> tuple[dict[str, Any], dict[str, list[float]]]:
     """Flat `stall.*` keys (ms) and the per-step samples (s) of every variant.
 
@@ -266,8 +289,9 @@ def _measure(
             # 50+ ms a step: fewer steps per block keep the run short; its p50 is plain.
             "inline": lambda b: keep(_run_inline(tr, slow_steps, fresh(), sleep=True)),
             "inline_nosleep": lambda b: keep(_run_inline(tr, steps, fresh(), sleep=False)),
-            "eventbus_drain50": lambda b: keep(_run_eventbus(tr, steps, fresh(), totals50,
-                                                             drain_interval=0.05)),
+            "eventbus_drain50": lambda b: keep(
+                _run_eventbus(tr, steps, fresh(), totals50, drain_interval=0.05)
+            ),
         }
         for fn in variants.values():  # warm-up: imports, allocator, first SummaryWriter
             fn(-1)
@@ -286,7 +310,8 @@ def _measure(
         out[f"stall.{name}_p50_inflation"] = round(inflation(stats[name]["p50"], base["p50"]), 4)
         out[f"stall.{name}_p99_inflation"] = round(inflation(stats[name]["p99"], base["p99"]), 4)
         out[f"stall.{name}_p50_inflation_blockwise"] = round(
-            blockwise_inflation(per_block[name], per_block["none"]), 4)
+            blockwise_inflation(per_block[name], per_block["none"]), 4
+        )
     out["stall.device"] = device
     out["stall.torch_threads"] = torch_threads()
     out["stall.steps_per_variant"] = len(samples["none"])
@@ -297,8 +322,7 @@ def _measure(
         for k, v in tot.items():
             out[f"stall.{name}_{k}"] = v
         # What the bus side (bus thread, workers) ran per step, competing for the GIL.
-        out[f"stall.{name}_bus_side_cpu_ms_per_step"] = round(cpu_us / 1e3 / max(steps_b, 1),
-                                                              3)
+        out[f"stall.{name}_bus_side_cpu_ms_per_step"] = round(cpu_us / 1e3 / max(steps_b, 1), 3)
     return out, samples
 
 
@@ -323,8 +347,7 @@ def _subscriber_sets(root: Path) -> dict[str, Callable[[], list[Any]]]:
     }
 
 
-def subscriber_costs(steps: int = 300, device: str = "cpu", threads: int = 1
-                     ) -> dict[str, Any]:
+def subscriber_costs(steps: int = 300, device: str = "cpu", threads: int = 1) -> dict[str, Any]:
     """Bus-side CPU per training step (ms) for each subscriber of (b) alone on the bus.
 
     Same model and events as (b); the CPU of every thread but the training thread is read
@@ -376,23 +399,40 @@ def plot(samples: dict[str, list[float]], path: str | os.PathLike[str], title: s
     import matplotlib.pyplot as plt
     import numpy as np
 
-    labels = {"none": "(a) no instrumentation", "eventbus": "(b) eventbus, 6 subscribers",
-              "inline": "(c) inline callbacks (peers)",
-              "inline_nosleep": "(c') inline, without the 50 ms callback",
-              "eventbus_drain50": "(b') eventbus, drain_interval 50 ms"}
-    colors = {"none": "#444444", "eventbus": "#1f77b4", "inline": "#d62728",
-              "inline_nosleep": "#ff9896", "eventbus_drain50": "#17becf"}
+    labels = {
+        "none": "(a) no instrumentation",
+        "eventbus": "(b) eventbus, 6 subscribers",
+        "inline": "(c) inline callbacks (peers)",
+        "inline_nosleep": "(c') inline, without the 50 ms callback",
+        "eventbus_drain50": "(b') eventbus, drain_interval 50 ms",
+    }
+    colors = {
+        "none": "#444444",
+        "eventbus": "#1f77b4",
+        "inline": "#d62728",
+        "inline_nosleep": "#ff9896",
+        "eventbus_drain50": "#17becf",
+    }
     ms = {k: np.asarray(v) * 1e3 for k, v in samples.items() if v}
     lo = min(float(v.min()) for v in ms.values())
     hi = max(float(v.max()) for v in ms.values())
     bins = np.geomspace(max(lo * 0.9, 1e-3), hi * 1.1, 120)
     fig, ax = plt.subplots(figsize=(7, 3.4), dpi=90)
     for k, v in ms.items():
-        ax.hist(v, bins=list(bins), histtype="step", linewidth=1.4, color=colors.get(k),
-                label=f"{labels.get(k, k)}: p50 {np.median(v):.2f} ms")
+        ax.hist(
+            v,
+            bins=list(bins),
+            histtype="step",
+            linewidth=1.4,
+            color=colors.get(k),
+            label=f"{labels.get(k, k)}: p50 {np.median(v):.2f} ms",
+        )
     ax.set_xscale("log")
-    ticks = [t for t in (0.5, 1, 2, 3, 5, 10, 20, 30, 50, 100, 200, 500, 1000)
-             if bins[0] <= t <= bins[-1]]
+    ticks = [
+        t
+        for t in (0.5, 1, 2, 3, 5, 10, 20, 30, 50, 100, 200, 500, 1000)
+        if bins[0] <= t <= bins[-1]
+    ]
     ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("step time (ms, log scale)")
@@ -409,8 +449,11 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--device", default="cpu")
     p.add_argument("--plot", metavar="PNG")
-    p.add_argument("--per-subscriber", action="store_true",
-                   help="only the bus-side CPU per step of each subscriber alone")
+    p.add_argument(
+        "--per-subscriber",
+        action="store_true",
+        help="only the bus-side CPU per step of each subscriber alone",
+    )
     a = p.parse_args()
     if a.per_subscriber:
         print(json.dumps(subscriber_costs(100 if a.quick else 300, a.device), indent=1))

@@ -87,9 +87,18 @@ def _worker(quick: bool) -> None:
 
 def run(quick: bool = False) -> dict[str, Any]:
     """Launch the measurement under torchrun (2 ranks, gloo, CPU); the flat result keys."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           "--master_port=0", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0",
-           "-m", "benchmarks.stop_check", "--worker"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_port=0",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=127.0.0.1:0",
+        "-m",
+        "benchmarks.stop_check",
+        "--worker",
+    ]
     if quick:
         cmd.append("--quick")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -77,7 +77,8 @@ def measure(events: int) -> dict[str, Any]:
         "throughput.cpu_us_per_event.publisher": round(cpu.get("MainThread", 0) / events * 1e6, 2),
         "throughput.cpu_us_per_event.bus_thread": round(cpu.get("eventbus", 0) / events * 1e6, 2),
         "throughput.cpu_us_per_event.jsonl_worker": round(
-            cpu.get("eventbus-jsonl", 0) / events * 1e6, 2),
+            cpu.get("eventbus-jsonl", 0) / events * 1e6, 2
+        ),
     }
 
 
@@ -88,8 +89,9 @@ def _thread_cpu_s() -> dict[str, float]:
     import psutil
 
     names = {t.native_id: t.name for t in threading.enumerate()}
-    return {names.get(t.id, str(t.id)): t.user_time + t.system_time
-            for t in psutil.Process().threads()}
+    return {
+        names.get(t.id, str(t.id)): t.user_time + t.system_time for t in psutil.Process().threads()
+    }
 
 
 def run(quick: bool = False, events: int | None = None) -> dict[str, Any]:
@@ -98,7 +100,11 @@ def run(quick: bool = False, events: int | None = None) -> dict[str, Any]:
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.throughput", "--events", str(n), "--in-process"],
-        cwd=root, capture_output=True, text=True, timeout=900, check=False,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
     )
     if proc.returncode != 0:
         raise RuntimeError(f"throughput child failed ({proc.returncode}): {proc.stderr[-2000:]}")
@@ -109,8 +115,11 @@ def run(quick: bool = False, events: int | None = None) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--events", type=int, default=1_000_000)
-    p.add_argument("--in-process", action="store_true",
-                   help="measure here (default: in a child process, for a clean peak RSS)")
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="measure here (default: in a child process, for a clean peak RSS)",
+    )
     a = p.parse_args()
     result = measure(a.events) if a.in_process else run(events=a.events)
     print(json.dumps(result))

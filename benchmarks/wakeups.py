@@ -46,15 +46,22 @@ def _model(width: int, batch: int) -> tuple[Any, Any, Any, Any]:
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(128, width), torch.nn.ReLU(), torch.nn.Linear(width, 10))
+        torch.nn.Linear(128, width), torch.nn.ReLU(), torch.nn.Linear(width, 10)
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(batch, 128)
     y = torch.randint(0, 10, (batch,))
     return model, opt, x, y
 
 
-def run(quick: bool = False, *, blocks: int | None = None, steps: int | None = None,
-        threads: int = 1, target_step_s: float = 0.002) -> dict[str, Any]:
+def run(
+    quick: bool = False,
+    *,
+    blocks: int | None = None,
+    steps: int | None = None,
+    threads: int = 1,
+    target_step_s: float = 0.002,
+) -> dict[str, Any]:
     """Flat `wakeups.*` keys: step times with and without a running bus, and the inflation."""
     import torch
 
@@ -113,7 +120,8 @@ def run(quick: bool = False, *, blocks: int | None = None, steps: int | None = N
                 break
             micro[0] = max(micro[0] + 1, math.ceil(micro[0] * target_step_s / p50))
         per_block = interleave_blocks(
-            {"none": no_bus, "bus": with_bus, "bus_drain5": with_bus_drain5}, blocks=blocks)
+            {"none": no_bus, "bus": with_bus, "bus_drain5": with_bus_drain5}, blocks=blocks
+        )
     finally:
         torch.set_num_threads(prev_threads)
     none, bus = summarize(flatten(per_block["none"])), summarize(flatten(per_block["bus"]))
@@ -127,7 +135,8 @@ def run(quick: bool = False, *, blocks: int | None = None, steps: int | None = N
         "wakeups.p50_inflation": round(inflation(bus["p50"], none["p50"]), 4),
         "wakeups.p99_inflation": round(inflation(bus["p99"], none["p99"]), 4),
         "wakeups.p50_inflation_blockwise": round(
-            blockwise_inflation(per_block["bus"], per_block["none"]), 4),
+            blockwise_inflation(per_block["bus"], per_block["none"]), 4
+        ),
         "wakeups.forced_wakeups": forced[0],
         "wakeups.drain_interval_ms": interval * 1e3,
         "wakeups.steps_per_variant": int(none["n"]),
@@ -138,9 +147,9 @@ def run(quick: bool = False, *, blocks: int | None = None, steps: int | None = N
         "wakeups.bus_drain5_p50_ms": round(d5["p50"] * 1e3, 4),
         "wakeups.bus_drain5_p50_inflation": round(inflation(d5["p50"], none["p50"]), 4),
         "wakeups.bus_drain5_p50_inflation_blockwise": round(
-            blockwise_inflation(per_block["bus_drain5"], per_block["none"]), 4),
-        "wakeups.bus_drain5_bus_side_cpu_us_per_step": round(
-            cpu["bus_drain5"] / n_steps * 1e6, 1),
+            blockwise_inflation(per_block["bus_drain5"], per_block["none"]), 4
+        ),
+        "wakeups.bus_drain5_bus_side_cpu_us_per_step": round(cpu["bus_drain5"] / n_steps * 1e6, 1),
     }
 
 

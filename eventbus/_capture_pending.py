@@ -133,7 +133,7 @@ class Part:
         h = self.shared.host()
         if self.stop is None:
             return self.kind(h[self.start])
-        return [self.kind(x) for x in h[self.start:self.stop]]
+        return [self.kind(x) for x in h[self.start : self.stop]]
 
 
 CAPTURED = (Pending, Part)

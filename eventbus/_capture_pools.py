@@ -68,8 +68,12 @@ class PinnedPool:
         """allocated (pinned because none was free), reused, free (buffers), free_bytes."""
         with self._lock:
             free = sum(len(d) for d in self._free.values())
-            return {"allocated": self.allocated, "reused": self.reused, "free": free,
-                    "free_bytes": self.free_bytes}
+            return {
+                "allocated": self.allocated,
+                "reused": self.reused,
+                "free": free,
+                "free_bytes": self.free_bytes,
+            }
 
 
 class EventPool:

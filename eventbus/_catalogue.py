@@ -19,8 +19,7 @@ _BASE = ("step", "ts", "seq", "rank")
 
 def _type_name(hint: Any) -> str:
     text = str(hint) if not isinstance(hint, type) else hint.__name__
-    return (text.replace("typing.", "").replace("eventbus.events.", "")
-            .replace("NoneType", "None"))
+    return text.replace("typing.", "").replace("eventbus.events.", "").replace("NoneType", "None")
 
 
 def _default(f: dataclasses.Field[Any]) -> str:
@@ -32,19 +31,38 @@ def _default(f: dataclasses.Field[Any]) -> str:
 
 
 _ORDER = (
-    "RunStarted", "RunEnded", "EpochStarted", "EpochEnded", "StepStarted", "StepEnded",
-    "ForwardEnded", "BackwardEnded", "OptimizerStepped", "Loss", "Scalars", "EvalEnded",
-    "CheckpointSaved", "CheckpointLoaded", "MemorySample", "MemoryLeakSuspected",
-    "MemorySnapshotSaved", "TensorStats", "DivergenceDetected", "StopRequested",
+    "RunStarted",
+    "RunEnded",
+    "EpochStarted",
+    "EpochEnded",
+    "StepStarted",
+    "StepEnded",
+    "ForwardEnded",
+    "BackwardEnded",
+    "OptimizerStepped",
+    "Loss",
+    "Scalars",
+    "EvalEnded",
+    "CheckpointSaved",
+    "CheckpointLoaded",
+    "MemorySample",
+    "MemoryLeakSuspected",
+    "MemorySnapshotSaved",
+    "TensorStats",
+    "DivergenceDetected",
+    "StopRequested",
 )
 
 
 def catalogue() -> list[type[events.Event]]:
     """The built-in event classes: lifecycle order first, then any others by name."""
     found = {
-        name: obj for name in events.__all__
-        if isinstance(obj := getattr(events, name), type) and issubclass(obj, events.Event)
-        and obj is not events.Event and getattr(obj, "catalogue", True)
+        name: obj
+        for name in events.__all__
+        if isinstance(obj := getattr(events, name), type)
+        and issubclass(obj, events.Event)
+        and obj is not events.Event
+        and getattr(obj, "catalogue", True)
     }
     ordered = [found.pop(n) for n in _ORDER if n in found]
     return ordered + [found[n] for n in sorted(found)]
@@ -75,8 +93,11 @@ def render_markdown() -> str:
         if own:
             lines += ["| field | type | default |", "|---|---|---|"]
             for f in own:
-                t = "Number" if hints.get(f.name) is Any and f.name != "histogram" else _type_name(
-                    hints.get(f.name, Any))
+                t = (
+                    "Number"
+                    if hints.get(f.name) is Any and f.name != "histogram"
+                    else _type_name(hints.get(f.name, Any))
+                )
                 cells = (f.name, t, _default(f))
                 lines.append("| " + " | ".join(f"`{c}`".replace("|", "\\|") for c in cells) + " |")
             lines.append("")

@@ -28,10 +28,28 @@ __all__ = [
 
 # What a field's annotation allows, for the decoding checks (and raw writing of str fields).
 STR, _INT, _NUM, _BOOL, _DICT, _TUPLE, _LIST, _ANY, _STAMP, _COUNT = (
-    "str", "int", "num", "bool", "dict", "tuple", "list", "any", "stamp", "count")
-_WANT = {STR: "a string", _INT: "an integer", _NUM: "a number", _BOOL: "a boolean",
-         _DICT: "an object", _TUPLE: "a list", _LIST: "a list", _STAMP: "an integer",
-         _COUNT: "a non-negative integer"}  # (negative counts are the log reader's check)
+    "str",
+    "int",
+    "num",
+    "bool",
+    "dict",
+    "tuple",
+    "list",
+    "any",
+    "stamp",
+    "count",
+)
+_WANT = {
+    STR: "a string",
+    _INT: "an integer",
+    _NUM: "a number",
+    _BOOL: "a boolean",
+    _DICT: "an object",
+    _TUPLE: "a list",
+    _LIST: "a list",
+    _STAMP: "an integer",
+    _COUNT: "a non-negative integer",
+}  # (negative counts are the log reader's check)
 STAMPS = {"step": _STAMP, "ts": _STAMP, "seq": _COUNT, "rank": _COUNT}
 """The stamp fields every event has, and their kinds."""
 STAMP_KINDS = frozenset((_STAMP, _COUNT))
@@ -97,6 +115,7 @@ def _checker(  # noqa: PLR0911 - one return per kind
     def container(want_type: type, convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
         def check(v: Any) -> Any:
             return convert(restore(v) if marked else v) if type(v) is want_type else bad(v)
+
         return check
 
     if kind in (_STAMP, _COUNT):
@@ -159,8 +178,10 @@ class ClassCodec:
                 f"    if not (v{i} is None or (type(v{i}) is float and v{i} - v{i} == 0.0)"
                 f" or type(v{i}) is int):\n        v{i} = _fast(v{i})\n        slow = True"
             )
-        src = "def to_dict(ev):\n" + "\n".join(lines) + (
-            "\n    return {" + ", ".join(items) + "}, slow\n"
+        src = (
+            "def to_dict(ev):\n"
+            + "\n".join(lines)
+            + ("\n    return {" + ", ".join(items) + "}, slow\n")
         )
         scope: dict[str, Any] = {"_fast": fast, "_stamp": stamp}
         exec(compile(src, f"<eventbus.codec {self.type_name}>", "exec"), scope)

@@ -49,8 +49,11 @@ def marked(line: bytes | str) -> bool:
     Tags hold "N" or "I" and escapes a backslash; one-byte searches (memchr) cost ~10 ns each.
     """
     if type(line) is not bytes:
-        return "N" in line or "I" in line or "\\" in line if isinstance(line, str) else marked(
-            bytes(line))
+        return (
+            "N" in line or "I" in line or "\\" in line
+            if isinstance(line, str)
+            else marked(bytes(line))
+        )
     return 78 in line or 73 in line or 92 in line  # b"N", b"I", b"\\"
 
 
@@ -75,8 +78,7 @@ def fast(v: Any) -> Any:
     if t is dict:
         # Finite floats and ints inline: metric dicts are the common container.
         return {
-            k: x if (type(x) is float and x - x == 0.0) or type(x) is int or x is None
-            else fast(x)
+            k: x if (type(x) is float and x - x == 0.0) or type(x) is int or x is None else fast(x)
             for k, x in v.items()
         }
     if t is list or t is tuple:
@@ -97,14 +99,17 @@ def exact(v: Any, depth: int = 0) -> Any:  # noqa: PLR0911 - one return per kind
         return _tag(v)
     if t is int:
         if not _INT_MIN <= v < _INT_END:
-            raise ValueError(f"the integer {v:.3g} is beyond 64 bits; publish it as a float "
-                             "or a str")
+            raise ValueError(
+                f"the integer {v:.3g} is beyond 64 bits; publish it as a float or a str"
+            )
         return v
     if v is None or t is bool:
         return v
     if depth >= MAX_DEPTH:
-        raise ValueError(f"containers nested deeper than {MAX_DEPTH} levels (or a cycle); "
-                         "publish a flatter value")
+        raise ValueError(
+            f"containers nested deeper than {MAX_DEPTH} levels (or a cycle); "
+            "publish a flatter value"
+        )
     if isinstance(v, Mapping):
         return {_key(k): exact(x, depth + 1) for k, x in v.items()}
     if isinstance(v, list | tuple):
@@ -112,15 +117,18 @@ def exact(v: Any, depth: int = 0) -> Any:  # noqa: PLR0911 - one return per kind
     if isinstance(v, str):  # a str subclass (StrEnum)
         return exact(str.__str__(v))
     if isinstance(v, bool | int | float):  # IntEnum, numpy.float64
-        return exact(bool(v) if isinstance(v, bool) else (int(v) if isinstance(v, int)
-                                                          else float(v)))
+        return exact(
+            bool(v) if isinstance(v, bool) else (int(v) if isinstance(v, int) else float(v))
+        )
     if isinstance(v, set | frozenset):
         raise TypeError("a set has no JSON form; publish a sorted list")
     if isinstance(v, bytes | bytearray | memoryview):
         raise TypeError("bytes have no JSON form; publish a str (bytes.decode()) or numbers")
     if isinstance(v, datetime.date | datetime.time | datetime.timedelta):
-        raise TypeError(f"a {t.__name__} would come back as a str; publish a str "
-                        "(.isoformat()) or a number (.timestamp() / .total_seconds())")
+        raise TypeError(
+            f"a {t.__name__} would come back as a str; publish a str "
+            "(.isoformat()) or a number (.timestamp() / .total_seconds())"
+        )
     if hasattr(v, "tolist"):  # tensors, numpy arrays and numpy scalars
         return exact(_tolist(v), depth + 1)
     return v  # dataclasses, enums, uuids: orjson writes them, or raises naming the type
@@ -149,8 +157,7 @@ def _key(k: Any) -> str:
         return _ESC + repr(float(k))
     if isinstance(k, str):
         return _key(str(str.__str__(k)))
-    raise TypeError(f"the dict key {k!r:.40} ({t.__name__}) has no JSON form; use str or int "
-                    "keys")
+    raise TypeError(f"the dict key {k!r:.40} ({t.__name__}) has no JSON form; use str or int keys")
 
 
 def stamp(v: Any) -> int:
@@ -193,5 +200,6 @@ def _unkey(k: str) -> Any:
     try:
         return int(s) if s.lstrip("-").isdigit() else float(s)
     except ValueError:
-        raise InvalidValue(f"has the escaped key {k!r:.40}, which is not a number, bool or null"
-                           ) from None
+        raise InvalidValue(
+            f"has the escaped key {k!r:.40}, which is not a number, bool or null"
+        ) from None

@@ -61,8 +61,14 @@ def _compute(t: torch.Tensor, bins: int) -> tuple[torch.Tensor, torch.Tensor, to
     return stats, counts, hist
 
 
-def tensor_stats(t: torch.Tensor, *, name: str = "", kind: str = "activations",
-                 bins: int = 0, step: int | None = None) -> TensorStats:
+def tensor_stats(
+    t: torch.Tensor,
+    *,
+    name: str = "",
+    kind: str = "activations",
+    bins: int = 0,
+    step: int | None = None,
+) -> TensorStats:
     """One tensor's `TensorStats`, values still on its device (publish it: no sync)."""
     return publishable([measure(t, name, kind, bins)], step)[0]
 
@@ -81,8 +87,10 @@ def publishable(entries: list[Entry], step: int | None) -> list[TensorStats]:
         by_device.setdefault(e.stats.device, []).append(e)
     for group in by_device.values():
         n = len(group)
-        parts = [torch.stack([e.stats for e in group]).reshape(-1).double(),
-                 torch.stack([e.counts for e in group]).reshape(-1).double()]
+        parts = [
+            torch.stack([e.stats for e in group]).reshape(-1).double(),
+            torch.stack([e.counts for e in group]).reshape(-1).double(),
+        ]
         hists = [e.hist for e in group if e.hist is not None]
         if len(hists) == n:
             parts.append(torch.stack(hists).reshape(-1).double())
@@ -97,14 +105,25 @@ def publishable(entries: list[Entry], step: int | None) -> list[TensorStats]:
             if e.hist is not None and len(hists) == n:
                 width = e.hist.shape[0]
                 h = hist_at + width * i
-                hist = {"min": shared.part(h), "max": shared.part(h + 1),
-                        "counts": shared.part(h + 2, h + width, int)}
-            events.append(TensorStats(
-                step=step, name=e.name, kind=e.kind, dtype=e.dtype, shape=e.shape,
-                norm=shared.part(s), mean=shared.part(s + 1), std=shared.part(s + 2),
-                absmax=shared.part(s + 3),
-                nan_count=shared.part(counts_at + 2 * i, kind=int),
-                inf_count=shared.part(counts_at + 2 * i + 1, kind=int),
-                histogram=hist,
-            ))
+                hist = {
+                    "min": shared.part(h),
+                    "max": shared.part(h + 1),
+                    "counts": shared.part(h + 2, h + width, int),
+                }
+            events.append(
+                TensorStats(
+                    step=step,
+                    name=e.name,
+                    kind=e.kind,
+                    dtype=e.dtype,
+                    shape=e.shape,
+                    norm=shared.part(s),
+                    mean=shared.part(s + 1),
+                    std=shared.part(s + 2),
+                    absmax=shared.part(s + 3),
+                    nan_count=shared.part(counts_at + 2 * i, kind=int),
+                    inf_count=shared.part(counts_at + 2 * i + 1, kind=int),
+                    histogram=hist,
+                )
+            )
     return events

@@ -63,11 +63,15 @@ class Watcher:
         self._root_selected = any(m is model for _, m in selected)
         self._modules = [(n, m) for n, m in selected if m is not model]
         chosen = {id(m) for _, m in selected}
-        self._params = [(n, p) for n, p in model.named_parameters()
-                        if modules is None or id(model.get_submodule(n.rpartition(".")[0]))
-                        in chosen]
-        self._handles: list[Any] = [model.register_forward_pre_hook(self._on_forward_start),
-                                    model.register_forward_hook(self._on_forward_end)]
+        self._params = [
+            (n, p)
+            for n, p in model.named_parameters()
+            if modules is None or id(model.get_submodule(n.rpartition(".")[0])) in chosen
+        ]
+        self._handles: list[Any] = [
+            model.register_forward_pre_hook(self._on_forward_start),
+            model.register_forward_hook(self._on_forward_end),
+        ]
         self._output_hooks: list[Any] = []  # installed for a watched forward only
         self._grad_hooks: list[Any] = []  # installed for a watched backward only
 
@@ -116,13 +120,17 @@ class Watcher:
             self._weights_step = step  # once per step, also with gradient accumulation
             self._pending.extend(measure(p, n, "weights", self.bins) for n, p in self._params)
         if "activations" in self.what:
-            self._output_hooks.extend(m.register_forward_hook(partial(self._on_output, n))
-                                      for n, m in self._modules)
+            self._output_hooks.extend(
+                m.register_forward_hook(partial(self._on_output, n)) for n, m in self._modules
+            )
         if "grads" in self.what and not self._grad_hooks:
             self._grad_hooks.extend(
                 p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
-                    partial(self._on_grad, n))
-                for n, p in self._params if p.requires_grad)
+                    partial(self._on_grad, n)
+                )
+                for n, p in self._params
+                if p.requires_grad
+            )
 
     def _on_output(self, name: str, module: torch.nn.Module, args: Any, out: Any) -> None:
         if not self._active:
@@ -190,5 +198,12 @@ def watch(
         raise ValueError(f"what= takes some of {KINDS}; got {what!r}")
     if histogram and (type(bins) is not int or bins < 1):
         raise ValueError(f"bins must be an int >= 1; got {bins!r}")
-    return Watcher(model, resolve_bus(bus), every=every, what=kinds, histogram=histogram, bins=bins,
-                   modules=modules)
+    return Watcher(
+        model,
+        resolve_bus(bus),
+        every=every,
+        what=kinds,
+        histogram=histogram,
+        bins=bins,
+        modules=modules,
+    )

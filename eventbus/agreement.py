@@ -146,8 +146,7 @@ class StopAgreement:
         buf = self._dev
         if self._host is None:
             buf.copy_(torch.tensor(local, dtype=torch.int64))
-            self._work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group,
-                                         async_op=True)
+            self._work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
             return
         host = self._host
         host[0], host[1], host[2] = local  # pinned host memory; the last copy from it is done
@@ -189,6 +188,9 @@ class StopAgreement:
             else:
                 ctl.request_stop(reason, source=source)
         get_logger().info(
-            "stop agreed across ranks", abort=bool(abort), asked_on_rank=requester - 1,
-            rank=dist.get_rank(), check=self.checks,
+            "stop agreed across ranks",
+            abort=bool(abort),
+            asked_on_rank=requester - 1,
+            rank=dist.get_rank(),
+            check=self.checks,
         )

@@ -24,13 +24,13 @@ import anyio
 from eventbus.agreement import StopAgreement
 from eventbus.capture import capture_event
 from eventbus.control import Control
-from eventbus.core.delivery import Delivery, State
+from eventbus.core.delivery import Delivery
 from eventbus.core.fork import call_after_fork
 from eventbus.core.inbox import BIG, Attach, Boxed, Detach, Flush, Inbox, InboxMode
 from eventbus.core.loop import BusLoop
 from eventbus.core.signals import SignalDrain
 from eventbus.core.sizing import NUMBERS, checked_fields, sizeof_event
-from eventbus.core.subscriber import describe, positive, subscribe_options, unique_name
+from eventbus.core.subscriber import State, describe, positive, subscribe_options, unique_name
 from eventbus.core.subscription import Subscription
 from eventbus.dist import rank_info
 from eventbus.events import Event
@@ -97,10 +97,16 @@ class EventBus:
         self.control = Control(self.publish)
         if self.world_size > 1:  # should_stop agreed by all ranks (one small all_reduce)
             self.control.agree = StopAgreement(self.control, every=stop_check_every)
-        self._inbox = Inbox(inbox_maxsize, inbox_max_bytes, waits=self._lossless,
-                            drop=self._count_drop, loop_thread=self._loop_thread)
-        self._loop = BusLoop(self._inbox, self, name=name, interval=drain_interval,
-                             hang_timeout=hang_timeout)
+        self._inbox = Inbox(
+            inbox_maxsize,
+            inbox_max_bytes,
+            waits=self._lossless,
+            drop=self._count_drop,
+            loop_thread=self._loop_thread,
+        )
+        self._loop = BusLoop(
+            self._inbox, self, name=name, interval=drain_interval, hang_timeout=hang_timeout
+        )
         self._seq = itertools.count()
         self._state = _NEW
         self._lifecycle = threading.RLock()
@@ -170,8 +176,12 @@ class EventBus:
     async def apublish(self, ev: Event) -> None:
         """`publish` for async code: waits without blocking the caller's event loop."""
         inbox = self._inbox
-        while inbox.full() and self._lossless() and inbox.mode == InboxMode.LIVE \
-                and not inbox.on_bus_side():
+        while (
+            inbox.full()
+            and self._lossless()
+            and inbox.mode == InboxMode.LIVE
+            and not inbox.on_bus_side()
+        ):
             inbox.wake()
             await anyio.sleep(0.001)
         self.publish(ev)
@@ -215,8 +225,15 @@ class EventBus:
         `ranks`), else: every event, `drop_oldest`, 10,000 queued. Events published after
         this call returns reach it; earlier ones do not.
         """
-        o = subscribe_options(sub, events=events, policy=policy, maxsize=maxsize,
-                              max_batch=max_batch, placement=placement, ranks=ranks)
+        o = subscribe_options(
+            sub,
+            events=events,
+            policy=policy,
+            maxsize=maxsize,
+            max_batch=max_batch,
+            placement=placement,
+            ranks=ranks,
+        )
         if (o.ranks is not None and self.rank not in o.ranks) or self._state == _FORKED:
             return Subscription(None, self._detach)
         if o.placement == "process":
@@ -227,10 +244,17 @@ class EventBus:
         with self._lifecycle:
             if self._state == _CLOSED:
                 raise RuntimeError("subscribe() on a closed bus: create a new EventBus")
-            d = Delivery(sub, name=unique_name(name or describe(sub), self._names),
-                         events=o.events, policy=o.policy, maxsize=o.maxsize,
-                         max_batch=o.max_batch, max_bytes=self.queue_max_bytes, key=key,
-                         max_consecutive_failures=self.max_consecutive_failures)
+            d = Delivery(
+                sub,
+                name=unique_name(name or describe(sub), self._names),
+                events=o.events,
+                policy=o.policy,
+                maxsize=o.maxsize,
+                max_batch=o.max_batch,
+                max_bytes=self.queue_max_bytes,
+                key=key,
+                max_consecutive_failures=self.max_consecutive_failures,
+            )
             self._deliveries.append(d)
             if d.lossless:
                 self._loop.router.pending_lossless.add(d)
@@ -254,8 +278,10 @@ class EventBus:
             if d.state is State.PENDING and self._state == _NEW:
                 d.state = State.REMOVED  # never attached: the loop skips its Attach
                 self._loop.router.pending_lossless.discard(d)
-            elif d.state in (State.PENDING, State.RUNNING, State.DISABLED) and \
-                    self._state == _RUNNING:
+            elif (
+                d.state in (State.PENDING, State.RUNNING, State.DISABLED)
+                and self._state == _RUNNING
+            ):
                 self._inbox.put_control(Detach(d))
 
     # -- lifecycle -------------------------------------------------------------------
@@ -375,11 +401,16 @@ class EventBus:
     def state_dict(self) -> dict[str, Any]:
         """Each subscriber's `state_dict()`, by name, after a flush (for checkpoints)."""
         if self._state == _FORKED:
-            raise RuntimeError("state_dict() in a forked child (a DataLoader worker?): the "
-                               "subscribers live in the parent process; call it there")
+            raise RuntimeError(
+                "state_dict() in a forked child (a DataLoader worker?): the "
+                "subscribers live in the parent process; call it there"
+            )
         self.flush()
-        return {d.name: d.sub.state_dict() for d in self._deliveries
-                if callable(getattr(d.sub, "state_dict", None))}
+        return {
+            d.name: d.sub.state_dict()
+            for d in self._deliveries
+            if callable(getattr(d.sub, "state_dict", None))
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Hand each subscriber its part of a `state_dict()` (by name)."""
@@ -404,5 +435,3 @@ class EventBus:
         self._signals.forget()
         if self._exit_hook:
             atexit.unregister(self._at_exit)
-
-

@@ -162,7 +162,8 @@ def capturable_fields(cls: type) -> tuple[str, ...]:
             hints = {}
         skip = {"step", "ts", "seq", "rank"}
         names = tuple(
-            f.name for f in event_fields(cls)
+            f.name
+            for f in event_fields(cls)
             if f.name not in skip and hints.get(f.name, Any) not in (str, int, bool)
         )
         FIELDS[cls] = names
@@ -210,7 +211,10 @@ def _too_deep(ev: Event, name: str) -> None:
         get_logger().warning(
             f"{where} is nested deeper than {MAX_DEPTH} levels (or is cyclic): tensors below "
             "that are not captured and log writers skip the event; publish a flatter value",
-            event_type=type(ev).__name__, field=name, suppressed=held)
+            event_type=type(ev).__name__,
+            field=name,
+            suppressed=held,
+        )
 
 
 class _NoTensor:
@@ -237,8 +241,7 @@ def _resolve_value(v: Any, where: str, depth: int = 0) -> Any:  # noqa: PLR0911
         try:
             return v.value()
         except Exception as e:  # never crash the router: the field becomes None, logged
-            log_failure("a captured tensor could not be read; delivered as None", e,
-                         field=where)
+            log_failure("a captured tensor could not be read; delivered as None", e, field=where)
             return None
     if type(v) is dict:
         return {k: _resolve_value(x, where, depth + 1) for k, x in v.items()}

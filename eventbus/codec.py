@@ -69,7 +69,9 @@ def _encode_error(ev: Event, name: str, v: Any, e: BaseException) -> EventEncode
     return EventEncodeError(
         f"cannot serialise {tname}.{name}, a {type(v).__name__} ({_reason(e)}); use "
         "numbers, strings, lists, dicts with str or int keys, or tensors in event fields",
-        tname, name)
+        tname,
+        name,
+    )
 
 
 def _type_name(ev: Event) -> str:
@@ -96,8 +98,9 @@ def to_dict(ev: Event) -> dict[str, Any]:
     for name in c.names:
         v = getattr(ev, name)
         kind = c.kinds[name]
-        out[name] = v if kind == STR and type(v) is str else _field(ev, name, v,
-                                                                     kind in STAMP_KINDS)
+        out[name] = (
+            v if kind == STR and type(v) is str else _field(ev, name, v, kind in STAMP_KINDS)
+        )
     return out
 
 

@@ -92,8 +92,10 @@ def record(type_name: str, **info: Any) -> bytes:
     """A non-event line (its type starts with "eventbus."): `codec.decode` returns None for it."""
     if not type_name.startswith(RECORD_PREFIX):
         raise ValueError(f"record types start with {RECORD_PREFIX!r}; got {type_name!r}")
-    return orjson.dumps({"type": type_name, **{k: _plain(v) for k, v in info.items()}},
-                        option=orjson.OPT_APPEND_NEWLINE)
+    return orjson.dumps(
+        {"type": type_name, **{k: _plain(v) for k, v in info.items()}},
+        option=orjson.OPT_APPEND_NEWLINE,
+    )
 
 
 def _plain(v: Any) -> Any:
@@ -134,8 +136,10 @@ def log_files(paths: PathLike | Iterable[PathLike]) -> list[Path]:
         if p.is_dir():
             found = [f for f in sorted(p.glob("*.jsonl")) if f.is_file()]
             if not found:
-                raise LogReadError(f"{p}: no *.jsonl files in this directory; give the "
-                                   "directory a JsonlWriter wrote to, or the files themselves")
+                raise LogReadError(
+                    f"{p}: no *.jsonl files in this directory; give the "
+                    "directory a JsonlWriter wrote to, or the files themselves"
+                )
             out.extend(found)
         elif p.exists():
             out.append(p)
@@ -189,8 +193,9 @@ def _keyed(lines: Iterator[LogLine], index: int) -> Iterator[tuple[tuple[int, in
     last = -1
     for line in lines:
         item = line.item
-        step, ts = (item.get("step"), item.get("ts")) if isinstance(item, dict) else (
-            item.step, item.ts)
+        step, ts = (
+            (item.get("step"), item.get("ts")) if isinstance(item, dict) else (item.step, item.ts)
+        )
         if type(step) is int:
             last = step
         yield (last, ts if type(ts) is int else 0, index), line
@@ -208,8 +213,9 @@ def iter_file(path: Path, *, records: bool = False) -> Iterator[LogLine]:
         raise LogReadError(f"{path}: cannot read: {e.strerror or e}") from None
     try:
         if f.read(2) == _GZIP_MAGIC:
-            raise LogReadError(f"{path}: a gzip file, not a JSONL log; decompress it first "
-                               f"(gunzip -k {path})")
+            raise LogReadError(
+                f"{path}: a gzip file, not a JSONL log; decompress it first (gunzip -k {path})"
+            )
         f.seek(0)
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -218,8 +224,11 @@ def iter_file(path: Path, *, records: bool = False) -> Iterator[LogLine]:
                 item = parse_line(line)
             except LogReadError as e:
                 if not line.endswith(b"\n") and looks_torn(line):
-                    get_logger().warning("skipped a partial last line (a crash or a writer "
-                                         "mid-write)", path=str(path), line=lineno)
+                    get_logger().warning(
+                        "skipped a partial last line (a crash or a writer mid-write)",
+                        path=str(path),
+                        line=lineno,
+                    )
                     return
                 raise LogReadError(f"{path}:{lineno}: {e}") from None
             if item is not None and (records or not isinstance(item, dict)):
@@ -233,8 +242,10 @@ def iter_file(path: Path, *, records: bool = False) -> Iterator[LogLine]:
 def parse_line(line: bytes) -> Event | dict[str, Any] | None:
     """The event or record of one line; `LogReadError` (without the place) says what is wrong."""
     if b"\x00" in line or not _utf8(line):
-        raise LogReadError("not an eventbus log: binary data, not JSON text; give a *.jsonl "
-                           "file written by JsonlWriter")
+        raise LogReadError(
+            "not an eventbus log: binary data, not JSON text; give a *.jsonl "
+            "file written by JsonlWriter"
+        )
     try:
         ev = decode(line)
     except EventDecodeError as e:
@@ -252,8 +263,7 @@ def parse_line(line: bytes) -> Event | dict[str, Any] | None:
         v = getattr(ev, name)
         if v is not None and (type(v) is not int or (v < 0 and name in ("seq", "rank"))):
             what = "a non-negative integer" if name in ("seq", "rank") else "an integer"
-            raise LogReadError(f"{_type_name(ev)}.{name} must be {what} or null, "
-                               f"got {_show(v)}")
+            raise LogReadError(f"{_type_name(ev)}.{name} must be {what} or null, got {_show(v)}")
     return ev
 
 
@@ -304,8 +314,10 @@ def check_record(d: Any) -> None:
         if writer is not None:
             for k, v in _mapping(writer, "stats record: writer").items():
                 if isinstance(v, dict | list):
-                    raise ValueError(f"stats record: writer.{k} must be a number, a string "
-                                     f"or null, got {_show(v)}")
+                    raise ValueError(
+                        f"stats record: writer.{k} must be a number, a string "
+                        f"or null, got {_show(v)}"
+                    )
     elif kind == SKIPPED_TYPE:
         _ints(d, "skipped marker", "step", "ts", "seq", "rank")
         for k in ("reason", "event_type"):
@@ -321,8 +333,10 @@ def _check_header(d: dict[str, Any]) -> None:
     if type(v) is not int or v < 1:
         raise ValueError(f"header: version must be a positive integer, got {_show(v)}")
     if v > FORMAT_VERSION:
-        raise ValueError(f"header: format version {v} is newer than this eventbus reads "
-                         f"({FORMAT_VERSION}); upgrade eventbus to read this log")
+        raise ValueError(
+            f"header: format version {v} is newer than this eventbus reads "
+            f"({FORMAT_VERSION}); upgrade eventbus to read this log"
+        )
     _ints(d, "header", "rank", "world_size", "ts", "pid", "resumed_from_step")
 
 
@@ -335,8 +349,12 @@ def _check_bus(bus: dict[str, Any]) -> None:
     if subs is None:
         return
     for name, s in _mapping(subs, "stats record: bus.subscribers").items():
-        _ints(_mapping(s, f"stats record: bus.subscribers.{name}"),
-              f"stats record: bus.subscribers.{name}", "dropped", "failed")
+        _ints(
+            _mapping(s, f"stats record: bus.subscribers.{name}"),
+            f"stats record: bus.subscribers.{name}",
+            "dropped",
+            "failed",
+        )
 
 
 def _mapping(v: Any, where: str) -> dict[str, Any]:

@@ -20,8 +20,8 @@ from typing import Any
 import anyio
 
 from eventbus.control import Control
-from eventbus.core.delivery import Delivery, State
-from eventbus.core.subscriber import describe, event_types, unique_name
+from eventbus.core.delivery import Delivery
+from eventbus.core.subscriber import State, describe, event_types, unique_name
 from eventbus.events import Event
 from eventbus.log import get_logger
 from eventbus.logformat import PathLike, log_files, log_ranks, read_log, write_events
@@ -53,8 +53,11 @@ class Replayer:
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
-        subs = [subscribers] if (hasattr(subscribers, "on_events") or callable(subscribers)) \
+        subs = (
+            [subscribers]
+            if (hasattr(subscribers, "on_events") or callable(subscribers))
             else list(subscribers)
+        )
         names: set[str] = set()
         self._subs: list[Delivery] = []
         for s in subs:
@@ -63,11 +66,14 @@ class Replayer:
                     "replay() takes subscribers: objects with on_events(batch) or functions of "
                     f"one event; got {type(s).__qualname__}: {s!r:.80}"
                 )
-            self._subs.append(Delivery(
-                s, name=unique_name(describe(s), names),
-                events=event_types(getattr(s, "events", None)),
-                max_consecutive_failures=max_consecutive_failures,
-            ))
+            self._subs.append(
+                Delivery(
+                    s,
+                    name=unique_name(describe(s), names),
+                    events=event_types(getattr(s, "events", None)),
+                    max_consecutive_failures=max_consecutive_failures,
+                )
+            )
         self.batch_size = batch_size
         self.rank = rank
         self.local_rank = rank
@@ -91,9 +97,12 @@ class Replayer:
         if self._budget <= 0:  # a subscriber feeding on its own output: bounded, counted
             self.feedback_dropped += 1
             if self.feedback_dropped == 1:
-                get_logger().error("feedback storm in replay: subscribers published more than "
-                                   f"{FEEDBACK_LIMIT} events for one batch of the log; "
-                                   "dropping the rest", event_type=type(ev).__name__)
+                get_logger().error(
+                    "feedback storm in replay: subscribers published more than "
+                    f"{FEEDBACK_LIMIT} events for one batch of the log; "
+                    "dropping the rest",
+                    event_type=type(ev).__name__,
+                )
             return
         self._budget -= 1
         if ev.ts is None:
@@ -124,8 +133,13 @@ class Replayer:
     def stats(self) -> BusStats:
         """Counters in the bus's shape: events routed, per-subscriber delivered/failed."""
         return BusStats(
-            published=self._routed, rejected=0, inbox_size=0, inbox_high_water=0,
-            blocked_s=0.0, wakeups=0, subscribers={d.name: d.stats() for d in self._subs},
+            published=self._routed,
+            rejected=0,
+            inbox_size=0,
+            inbox_high_water=0,
+            blocked_s=0.0,
+            wakeups=0,
+            subscribers={d.name: d.stats() for d in self._subs},
             feedback_dropped=self.feedback_dropped,
         )
 
@@ -183,8 +197,7 @@ class Replayer:
         self._budget = FEEDBACK_LIMIT
         while True:
             if batch:
-                self._clock = next((e.ts for e in reversed(batch) if e.ts is not None),
-                                   self._clock)
+                self._clock = next((e.ts for e in reversed(batch) if e.ts is not None), self._clock)
                 self._routed += len(batch)
                 for d in self._subs:
                     mine = [e for e in batch if isinstance(e, d.events)]
@@ -222,4 +235,3 @@ def replay(
     if out is not None:
         write_events(out, published, replayed_from=[str(p) for p in files])
     return published
-

@@ -72,15 +72,30 @@ class BusStats:
 def log_close(st: BusStats) -> None:
     """The close report: a warning naming every loss, failure and hang; info if only
     `latest` subscribers dropped superseded events (by design)."""
-    counts = {n: {"dropped": s.dropped, "failed": s.failed, "state": s.state}
-              for n, s in st.subscribers.items() if s.dropped or s.failed or s.state == "hung"}
-    alarming = st.hung or st.rejected or st.feedback_dropped or st.error or any(
-        s.failed or s.state == "hung" or (s.dropped and s.policy != "latest")
-        for s in st.subscribers.values()
+    counts = {
+        n: {"dropped": s.dropped, "failed": s.failed, "state": s.state}
+        for n, s in st.subscribers.items()
+        if s.dropped or s.failed or s.state == "hung"
+    }
+    alarming = (
+        st.hung
+        or st.rejected
+        or st.feedback_dropped
+        or st.error
+        or any(
+            s.failed or s.state == "hung" or (s.dropped and s.policy != "latest")
+            for s in st.subscribers.values()
+        )
     )
     if alarming or counts:
         log = get_logger().warning if alarming else get_logger().info
-        log("eventbus closed with losses" if alarming else "eventbus closed",
-            dropped=st.dropped, failed=st.failed, rejected=st.rejected,
-            feedback_dropped=st.feedback_dropped, hung=list(st.hung), error=st.error,
-            subscribers=counts)
+        log(
+            "eventbus closed with losses" if alarming else "eventbus closed",
+            dropped=st.dropped,
+            failed=st.failed,
+            rejected=st.rejected,
+            feedback_dropped=st.feedback_dropped,
+            hung=list(st.hung),
+            error=st.error,
+            subscribers=counts,
+        )

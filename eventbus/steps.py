@@ -102,8 +102,11 @@ class StepScope:
             return  # the step did not end: no StepEnded (throughput would be wrong)
         _check_count("samples", self.samples)
         _check_count("tokens", self.tokens)
-        self.bus.publish(StepEnded(step=self.step, duration_s=self.duration_s,
-                                   samples=self.samples, tokens=self.tokens))
+        self.bus.publish(
+            StepEnded(
+                step=self.step, duration_s=self.duration_s, samples=self.samples, tokens=self.tokens
+            )
+        )
 
 
 class PhaseScope:

@@ -37,8 +37,15 @@ class Instrumentation:
     `first_step` that advances after each optimizer step (each forward without optimizer).
     """
 
-    def __init__(self, model: torch.nn.Module | None, optimizer: Any, bus: Any, *,
-                 grad_norm: bool, first_step: int) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module | None,
+        optimizer: Any,
+        bus: Any,
+        *,
+        grad_norm: bool,
+        first_step: int,
+    ) -> None:
         self.bus = bus
         self.model = model
         self.optimizer = optimizer
@@ -109,18 +116,23 @@ class Instrumentation:
         self._opt_t0 = time.perf_counter()
         norm, self._given_norm = self._given_norm, None
         if norm is None and self.compute_grad_norm:
-            grads = [p.grad for g in optimizer.param_groups for p in g["params"]
-                     if p.grad is not None]
+            grads = [
+                p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None
+            ]
             # Device ops only (foreach norms, stacked): the result stays a device tensor.
             norm = torch.nn.utils.get_total_norm(grads) if grads else None
         self._opt_norm = norm
 
     def _on_step_end(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
-        self.bus.publish(OptimizerStepped(
-            step=self.step, lr=lr, grad_norm=self._opt_norm,
-            duration_s=time.perf_counter() - self._opt_t0,
-        ))
+        self.bus.publish(
+            OptimizerStepped(
+                step=self.step,
+                lr=lr,
+                grad_norm=self._opt_norm,
+                duration_s=time.perf_counter() - self._opt_t0,
+            )
+        )
         self._opt_norm = None
         if current_step(self.bus) is None:
             self.count += 1
@@ -150,5 +162,6 @@ def instrument(
         )
     if type(first_step) is not int:
         raise TypeError(f"first_step must be an int; got {first_step!r}")
-    return Instrumentation(model, optimizer, resolve_bus(bus), grad_norm=grad_norm,
-                           first_step=first_step)
+    return Instrumentation(
+        model, optimizer, resolve_bus(bus), grad_norm=grad_norm, first_step=first_step
+    )

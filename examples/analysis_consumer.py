@@ -52,8 +52,7 @@ class LossNoiseMonitor(Subscriber):
             if ev.step is not None and ev.step % self.every == 0 and len(self.values) > 2:
                 mean = statistics.fmean(self.values)
                 cv = statistics.stdev(self.values) / mean if mean else float("nan")
-                self.bus.publish(LossNoise(step=ev.step, window=len(self.values), mean=mean,
-                                           cv=cv))
+                self.bus.publish(LossNoise(step=ev.step, window=len(self.values), mean=mean, cv=cv))
 
 
 def main(argv: list[str] | None = None) -> None:

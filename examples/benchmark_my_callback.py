@@ -53,8 +53,9 @@ class MySubscriber:
 def make_train_step() -> Any:
     """Your training step. This one: a small MLP on CPU, a few ms per step."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),
-                                torch.nn.Linear(512, 10))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
 
@@ -68,8 +69,9 @@ def make_train_step() -> Any:
     return train_step
 
 
-def run_block(mode: str, steps: int, train_step: Any, sub: MySubscriber,
-              bus: EventBus | None) -> list[float]:
+def run_block(
+    mode: str, steps: int, train_step: Any, sub: MySubscriber, bus: EventBus | None
+) -> list[float]:
     """Per-step wall times (s) of one block in `mode`: "none", "bus" or "inline"."""
     times = []
     for step in range(steps):
@@ -121,16 +123,25 @@ def main() -> None:
     print(f"{'variant':8s} {'p50 ms':>8s} {'p99 ms':>8s} {'p50 slowdown':>13s}")
     for mode, values in times.items():
         p50 = statistics.median(values)
-        print(f"{mode:8s} {p50 * 1e3:8.3f} {pct(values, 99) * 1e3:8.3f} "
-              f"{(p50 / base - 1) * 100:+12.1f}%")
+        print(
+            f"{mode:8s} {p50 * 1e3:8.3f} {pct(values, 99) * 1e3:8.3f} "
+            f"{(p50 / base - 1) * 100:+12.1f}%"
+        )
     if st is not None:
-        lat = "n/a" if st.latency_p50_ms is None else (
-            f"{st.latency_p50_ms:.2f} ms / p99 {st.latency_p99_ms or 0:.2f} ms")
-        print(f"\nyour subscriber on the bus: delivered {st.delivered}, dropped {st.dropped}, "
-              f"failed {st.failed}, queue high-water {st.queue_high_water}, "
-              f"latency (publish to handled) p50 {lat}")
-    print("(the bus stays up through all blocks, flushed after each of its own: an idle bus\n"
-          " thread wakes every few ms, which is part of what (b) is measured against)")
+        lat = (
+            "n/a"
+            if st.latency_p50_ms is None
+            else (f"{st.latency_p50_ms:.2f} ms / p99 {st.latency_p99_ms or 0:.2f} ms")
+        )
+        print(
+            f"\nyour subscriber on the bus: delivered {st.delivered}, dropped {st.dropped}, "
+            f"failed {st.failed}, queue high-water {st.queue_high_water}, "
+            f"latency (publish to handled) p50 {lat}"
+        )
+    print(
+        "(the bus stays up through all blocks, flushed after each of its own: an idle bus\n"
+        " thread wakes every few ms, which is part of what (b) is measured against)"
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The smallest useful instrumented loop: JSONL log, divergence stop, progress, zero syncs.
 
-    .venv/bin/python examples/custom_loop.py [--quick] [--out runs/custom]
+.venv/bin/python examples/custom_loop.py [--quick] [--out runs/custom]
 """
 
 from __future__ import annotations
@@ -29,23 +29,25 @@ def main(argv: list[str] | None = None) -> None:
     y = torch.sin(x[:, :4]).sum(dim=1, keepdim=True)
 
     bus = EventBus()
-    bus.subscribe(JsonlWriter(opts.out, overwrite=True))   # lossless: every line on disk
-    bus.subscribe(DivergenceDetector(action="stop"))       # NaN at once, a blow-up in ~3 steps
-    bus.subscribe(ConsoleProgress(total=steps))            # step, loss, steps/s, ETA
+    bus.subscribe(JsonlWriter(opts.out, overwrite=True))  # lossless: every line on disk
+    bus.subscribe(DivergenceDetector(action="stop"))  # NaN at once, a blow-up in ~3 steps
+    bus.subscribe(ConsoleProgress(total=steps))  # step, loss, steps/s, ETA
     with bus:
         bus.publish(RunStarted(config={"lr": 3e-3, "steps": steps}, total_steps=steps))
         for step in range(1, steps + 1):
-            with bus.step(step, samples=64):               # StepStarted / StepEnded(duration)
+            with bus.step(step, samples=64):  # StepStarted / StepEnded(duration)
                 idx = torch.randint(0, len(x), (64,))
                 loss = torch.nn.functional.mse_loss(model(x[idx]), y[idx])
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
-                with bus.phase("optimizer") as ph:         # OptimizerStepped(lr, grad_norm)
-                    ph.set(grad_norm=torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0),
-                           lr=opt.param_groups[0]["lr"])
+                with bus.phase("optimizer") as ph:  # OptimizerStepped(lr, grad_norm)
+                    ph.set(
+                        grad_norm=torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0),
+                        lr=opt.param_groups[0]["lr"],
+                    )
                     opt.step()
-                bus.publish(Loss(step=step, value=loss))   # a tensor: no .item(), no sync
-            if bus.should_stop:                            # the detector asked us to stop
+                bus.publish(Loss(step=step, value=loss))  # a tensor: no .item(), no sync
+            if bus.should_stop:  # the detector asked us to stop
                 break
         bus.publish(RunEnded(step=step, status="stopped" if bus.should_stop else "completed"))
     print(f"wrote {opts.out}/events.jsonl; try: eventbus summary {opts.out}/events.jsonl")

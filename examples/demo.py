@@ -81,13 +81,21 @@ class TinyGPT(nn.Module):
 
 def batches(data: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     ix = torch.randint(0, len(data) - CONTEXT - 1, (BATCH,), generator=gen)
-    x = torch.stack([data[i:i + CONTEXT] for i in ix])
-    y = torch.stack([data[i + 1:i + CONTEXT + 1] for i in ix])
+    x = torch.stack([data[i : i + CONTEXT] for i in ix])
+    y = torch.stack([data[i + 1 : i + CONTEXT + 1] for i in ix])
     return x, y
 
 
-def train(out: Path, data: torch.Tensor, vocab: int, steps: int, *, lr: float,
-          blow_up_at: int | None, title: str) -> Path:
+def train(
+    out: Path,
+    data: torch.Tensor,
+    vocab: int,
+    steps: int,
+    *,
+    lr: float,
+    blow_up_at: int | None,
+    title: str,
+) -> Path:
     """One run with every built-in subscriber; returns the JSONL log's path."""
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
@@ -98,18 +106,27 @@ def train(out: Path, data: torch.Tensor, vocab: int, steps: int, *, lr: float,
 
     bus = EventBus()
     jsonl = JsonlWriter(out, overwrite=True)
-    bus.subscribe(jsonl)                                        # lossless, batched writes
-    bus.subscribe(TensorBoardSink(out / "tb"))                  # its own thread, flush 5 s
-    bus.subscribe(DivergenceDetector(action="stop"))            # NaN at once, a rise in ~3
-    bus.subscribe(MemoryProfiler(every=25))                     # RSS (+ CUDA when present)
+    bus.subscribe(jsonl)  # lossless, batched writes
+    bus.subscribe(TensorBoardSink(out / "tb"))  # its own thread, flush 5 s
+    bus.subscribe(DivergenceDetector(action="stop"))  # NaN at once, a rise in ~3
+    bus.subscribe(MemoryProfiler(every=25))  # RSS (+ CUDA when present)
     bus.subscribe(SpeedMonitor(every=25, flops_per_token=6 * n_params, peak_flops=2e11))
-    bus.subscribe(ConsoleProgress(total=steps, desc=title))     # progress bar, latest loss
-    watcher = watch(model, bus, every=50, histogram=True)      # TensorStats every 50 steps
+    bus.subscribe(ConsoleProgress(total=steps, desc=title))  # progress bar, latest loss
+    watcher = watch(model, bus, every=50, histogram=True)  # TensorStats every 50 steps
     status = "completed"
     with bus:
-        bus.publish(RunStarted(config={"lr": lr, "params": n_params, "context": CONTEXT,
-                                       "batch": BATCH, "blow_up_at": blow_up_at},
-                               total_steps=steps))
+        bus.publish(
+            RunStarted(
+                config={
+                    "lr": lr,
+                    "params": n_params,
+                    "context": CONTEXT,
+                    "batch": BATCH,
+                    "blow_up_at": blow_up_at,
+                },
+                total_steps=steps,
+            )
+        )
         for step in range(1, steps + 1):
             if blow_up_at is not None and step >= blow_up_at:
                 for g in opt.param_groups:
@@ -126,11 +143,11 @@ def train(out: Path, data: torch.Tensor, vocab: int, steps: int, *, lr: float,
                     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), 10.0)
                     ph.set(lr=opt.param_groups[0]["lr"], grad_norm=grad_norm)  # tensors: no sync
                     opt.step()
-                bus.publish(Loss(step=step, value=loss))       # never .item(): no sync
+                bus.publish(Loss(step=step, value=loss))  # never .item(): no sync
                 watcher.step(step)
             if step % max(steps // 4, 1) == 0:
                 bus.publish(EvalEnded(step=step, metrics={"loss": evaluate(model, data, vocab)}))
-            if bus.should_stop:                                # the detector asked us to stop
+            if bus.should_stop:  # the detector asked us to stop
                 status = "stopped"
                 break
         ckpt = out / "model.pt"
@@ -173,27 +190,33 @@ def main(argv: list[str] | None = None) -> int:
     print(f"corpus: {len(text):,} characters of Python's standard library, vocab {len(chars)}")
 
     t0 = time.perf_counter()
-    healthy = train(root / "healthy", data, len(chars), steps, lr=3e-3, blow_up_at=None,
-                    title="healthy")
+    healthy = train(
+        root / "healthy", data, len(chars), steps, lr=3e-3, blow_up_at=None, title="healthy"
+    )
     print(f"\n== run 1: healthy ({time.perf_counter() - t0:.0f} s) ==")
     show(healthy, root / "healthy" / "report.png", "healthy run")
 
     blow = max(steps // 5, 30)
-    diverging = train(root / "diverging", data, len(chars), blow + 60, lr=3e-3,
-                      blow_up_at=blow, title="diverging")
+    diverging = train(
+        root / "diverging", data, len(chars), blow + 60, lr=3e-3, blow_up_at=blow, title="diverging"
+    )
     print(f"\n== run 2: the learning rate grows x1.6 per step from step {blow} ==")
     show(diverging, root / "diverging" / "report.png", "diverging run (stopped)")
     found = [e for e in collect([diverging]).detections if isinstance(e, DivergenceDetected)]
     if found:
         d = found[0]
         value = d.value if math.isfinite(d.value) else str(d.value)
-        print(f"detected at step {d.step}: {d.metric} {value} vs baseline {d.baseline:.3g} "
-              f"({d.reason}); the loop stopped through bus.should_stop")
+        print(
+            f"detected at step {d.step}: {d.metric} {value} vs baseline {d.baseline:.3g} "
+            f"({d.reason}); the loop stopped through bus.should_stop"
+        )
     else:
         print("no divergence was detected (unexpected)", file=sys.stderr)
 
-    print(f"\nwritten under {root}/: healthy/ and diverging/ each hold events.jsonl, tb/ "
-          "(TensorBoard) and report.png")
+    print(
+        f"\nwritten under {root}/: healthy/ and diverging/ each hold events.jsonl, tb/ "
+        "(TensorBoard) and report.png"
+    )
     print(f"open TensorBoard with:  .venv/bin/tensorboard --logdir {root}")
     print(f"or look from the shell: .venv/bin/eventbus summary {healthy}")
     return 0 if found else 1

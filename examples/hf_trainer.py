@@ -45,30 +45,47 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.manual_seed(0)
     config = GPT2Config(
-        vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2,
-        bos_token_id=0, eos_token_id=0,
+        vocab_size=64,
+        n_positions=32,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     args = TrainingArguments(
-        output_dir=f"{opts.out}/trainer", max_steps=steps, per_device_train_batch_size=16,
-        learning_rate=3e-3, logging_steps=1, eval_strategy="steps", eval_steps=steps // 3,
-        save_strategy="no", report_to=[], use_cpu=True, dataloader_num_workers=0,
-        disable_tqdm=True, log_level="error",
+        output_dir=f"{opts.out}/trainer",
+        max_steps=steps,
+        per_device_train_batch_size=16,
+        learning_rate=3e-3,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=steps // 3,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        log_level="error",
     )
 
     bus = EventBus()
-    bus.subscribe(JsonlWriter(opts.out, overwrite=True))         # lossless: every line on disk
-    bus.subscribe(DivergenceDetector(action="stop"))             # NaN at once, blow-ups in ~3 steps
+    bus.subscribe(JsonlWriter(opts.out, overwrite=True))  # lossless: every line on disk
+    bus.subscribe(DivergenceDetector(action="stop"))  # NaN at once, blow-ups in ~3 steps
     # The Trainer hides NaN losses from its logs by default (logging_nan_inf_filter): watch
     # the gradient norm too, which it logs as computed.
     bus.subscribe(DivergenceDetector("grad_norm", action="stop"))
-    bus.subscribe(ConsoleProgress())                             # total steps from RunStarted
+    bus.subscribe(ConsoleProgress())  # total steps from RunStarted
 
     trainer = Trainer(
-        model=GPT2LMHeadModel(config), args=args, train_dataset=Patterns(512),
-        eval_dataset=Patterns(64), callbacks=[EventBusCallback(bus)],
+        model=GPT2LMHeadModel(config),
+        args=args,
+        train_dataset=Patterns(512),
+        eval_dataset=Patterns(64),
+        callbacks=[EventBusCallback(bus)],
     )
     trainer.remove_callback(PrinterCallback)  # ConsoleProgress shows progress instead
-    with bus:                                 # closing drains every subscriber
+    with bus:  # closing drains every subscriber
         trainer.train()
     last = trainer.state.log_history[-1]
     print(f"stopped at step {trainer.state.global_step}; train_loss {last.get('train_loss'):.3f}")

@@ -30,7 +30,8 @@ class Regressor(pl.LightningModule):  # type: ignore[misc]
         super().__init__()
         self.save_hyperparameters()  # lands in RunStarted.config
         self.net = torch.nn.Sequential(
-            torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
+            torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 1)
+        )
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -60,17 +61,23 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.manual_seed(0)
     bus = EventBus()
-    bus.subscribe(JsonlWriter(opts.out, overwrite=True))   # lossless: every line on disk
-    bus.subscribe(DivergenceDetector(action="stop"))       # NaN at once, blow-ups in ~3 steps
-    bus.subscribe(ConsoleProgress())                       # replaces Lightning's bar
+    bus.subscribe(JsonlWriter(opts.out, overwrite=True))  # lossless: every line on disk
+    bus.subscribe(DivergenceDetector(action="stop"))  # NaN at once, blow-ups in ~3 steps
+    bus.subscribe(ConsoleProgress())  # replaces Lightning's bar
 
     trainer = pl.Trainer(
-        max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=f"{opts.out}/lightning",
-        val_check_interval=min(20, steps), limit_val_batches=2, num_sanity_val_steps=0,
+        max_steps=steps,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=f"{opts.out}/lightning",
+        val_check_interval=min(20, steps),
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
         callbacks=[EventBusCallback(bus)],
     )
-    with bus:                                              # closing drains every subscriber
+    with bus:  # closing drains every subscriber
         trainer.fit(Regressor(), loader(4096, 0), loader(256, 1))
     print(f"stopped at step {trainer.global_step}")
     print(f"wrote {opts.out}/events.jsonl; try: eventbus summary {opts.out}/events.jsonl")

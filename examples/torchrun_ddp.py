@@ -37,8 +37,12 @@ def main() -> None:
     p.add_argument("--out", default="runs/ddp", help="directory for logs (default runs/ddp)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--quick", action="store_true", help="60 steps, for tests")
-    p.add_argument("--nan-rank", type=int, default=None,
-                   help="report a NaN loss on this rank (its gradients stay finite)")
+    p.add_argument(
+        "--nan-rank",
+        type=int,
+        default=None,
+        help="report a NaN loss on this rank (its gradients stay finite)",
+    )
     p.add_argument("--nan-step", type=int, default=20, help="from this step on")
     p.add_argument("--stop-check-every", type=int, default=1)
     args = p.parse_args()
@@ -50,7 +54,8 @@ def main() -> None:
     torch.manual_seed(0)  # same initial weights everywhere (DDP also broadcasts them)
 
     model = DistributedDataParallel(
-        torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
+        torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(100 + rank)  # each rank its own shard of data
     x = torch.randn(1024, 16, generator=gen)
@@ -64,8 +69,9 @@ def main() -> None:
 
     stopped_at = None
     with bus:
-        bus.publish(RunStarted(config={"lr": 0.05, "batch": 32}, total_steps=steps,
-                               world_size=world))
+        bus.publish(
+            RunStarted(config={"lr": 0.05, "batch": 32}, total_steps=steps, world_size=world)
+        )
         for step in range(1, steps + 1):
             t0 = time.perf_counter()
             idx = torch.randint(0, len(x), (32,), generator=gen)
@@ -83,8 +89,7 @@ def main() -> None:
                 stopped_at = step
                 break
         status = "stopped" if stopped_at is not None else "completed"
-        bus.publish(RunEnded(step=stopped_at or steps, status=status,
-                             reason=bus.control.reason))
+        bus.publish(RunEnded(step=stopped_at or steps, status=status, reason=bus.control.reason))
     print(f"rank {rank}: {status} at step {stopped_at or steps}", flush=True)
     dist.destroy_process_group()
 

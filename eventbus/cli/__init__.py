@@ -64,8 +64,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:
         if os.environ.get("EVENTBUS_DEBUG"):
             raise
-        return fail(f"unexpected {type(e).__name__}: {e} (a bug in eventbus: please report "
-                    "it; EVENTBUS_DEBUG=1 shows the traceback)", 1)
+        return fail(
+            f"unexpected {type(e).__name__}: {e} (a bug in eventbus: please report "
+            "it; EVENTBUS_DEBUG=1 shows the traceback)",
+            1,
+        )
     finally:
         logger.removeHandler(handler)
 

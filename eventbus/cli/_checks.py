@@ -105,8 +105,7 @@ def _mapping(ev: Event, name: str) -> None:
         raise _bad(ev, name, "an object of numbers")
     for k, x in v.items():
         if x is not None and as_float(x) is None:
-            raise ValueError(f"{type(ev).__name__}.{name}[{k!r}] must be a number, "
-                             f"got {_short(x)}")
+            raise ValueError(f"{type(ev).__name__}.{name}[{k!r}] must be a number, got {_short(x)}")
 
 
 def _bad(ev: Event, name: str, what: str) -> ValueError:

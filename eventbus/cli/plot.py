@@ -61,8 +61,9 @@ def plot(r: RunReport, out: Path, *, title: str | None = None) -> list[str]:
         panels.append(("grad norm", {"grad_norm": r.grad_norm}))
     if r.lr:
         panels.append(("learning rate", {"lr": r.lr}))
-    mem = {k: v for k, v in r.memory.items()
-           if v and k in ("rss_mb", "allocated_mb", "reserved_mb")}
+    mem = {
+        k: v for k, v in r.memory.items() if v and k in ("rss_mb", "allocated_mb", "reserved_mb")
+    }
     if mem:
         panels.append(("memory (MB)", mem))
     if r.step_time:
@@ -70,8 +71,9 @@ def plot(r: RunReport, out: Path, *, title: str | None = None) -> list[str]:
     if not panels:
         raise ValueError("no plottable events (Loss, OptimizerStepped, MemorySample, StepEnded)")
     marks = [d for d in r.detections if isinstance(d, DivergenceDetected) and d.step is not None]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.4 * len(panels) + 0.6),
-                             sharex=True, squeeze=False)
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(9, 2.4 * len(panels) + 0.6), sharex=True, squeeze=False
+    )
     for ax, (name, series) in zip(axes[:, 0], panels, strict=True):
         for label, pts in series.items():
             xs = [p[0] for p in pts]
@@ -81,8 +83,13 @@ def plot(r: RunReport, out: Path, *, title: str | None = None) -> list[str]:
             if bad:  # a NaN/Inf loss is not silently a gap in the line
                 ax.plot(bad, [_top(ys)] * len(bad), "x", color="red", label=f"{label} non-finite")
         for i, d in enumerate(marks):
-            ax.axvline(d.step, color="red", linestyle="--", linewidth=1,
-                       label="divergence" if i == 0 else None)
+            ax.axvline(
+                d.step,
+                color="red",
+                linestyle="--",
+                linewidth=1,
+                label="divergence" if i == 0 else None,
+            )
         finite = [p[1] for pts in series.values() for p in pts if math.isfinite(p[1])]
         if finite and min(finite) > 0 and max(finite) / min(finite) > 100:
             ax.set_yscale("log")  # a diverging loss spans decades: keep the early curve visible

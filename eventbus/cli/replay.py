@@ -24,9 +24,15 @@ def add_parser(sub: Any) -> None:
     """Register `eventbus replay LOG... --subscribe SPEC... [--out FILE]`."""
     r = sub.add_parser("replay", help="feed logs through subscribers; write what they publish")
     r.add_argument("logs", nargs="+", metavar="LOG", help="JSONL files or directories")
-    r.add_argument("--subscribe", "-s", nargs="+", action="extend", required=True,
-                   metavar="SPEC", help="jsonl:DIR, tensorboard:DIR, divergence, memory, "
-                   "progress, or module:factory")
+    r.add_argument(
+        "--subscribe",
+        "-s",
+        nargs="+",
+        action="extend",
+        required=True,
+        metavar="SPEC",
+        help="jsonl:DIR, tensorboard:DIR, divergence, memory, progress, or module:factory",
+    )
     r.add_argument("--out", "-o", metavar="FILE", help="write the published events as JSONL")
     r.set_defaults(func=run)
 
@@ -63,8 +69,10 @@ def run(args: argparse.Namespace) -> int:
     r = Replayer(subs, rank=ranks[0])
     published = r.run(itertools.chain([first], events))
     st = r.stats()
-    print(f"replayed {st.published:,} events from {len(files)} file(s) through "
-          f"{', '.join(st.subscribers)}; {len(published)} published")
+    print(
+        f"replayed {st.published:,} events from {len(files)} file(s) through "
+        f"{', '.join(st.subscribers)}; {len(published)} published"
+    )
     if args.out:
         path = write_events(args.out, published, replayed_from=[str(p) for p in files])
         print(f"wrote {len(published)} events to {path}")
@@ -75,8 +83,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"  ... {len(published) - 50} more (use --out FILE)")
     failed = {n: s for n, s in st.subscribers.items() if s.failed}
     for n, s in failed.items():
-        print(f"eventbus: warning: subscriber {n} failed on {s.failed} events ({s.error})",
-              file=sys.stderr)
+        print(
+            f"eventbus: warning: subscriber {n} failed on {s.failed} events ({s.error})",
+            file=sys.stderr,
+        )
     return 1 if failed else 0
 
 

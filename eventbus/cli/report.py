@@ -98,7 +98,7 @@ class SeqCounter:
         i = bisect.bisect_right(self.holes, seq, key=lambda h: h[0]) - 1
         if i >= 0 and self.holes[i][0] <= seq < self.holes[i][1]:
             a, b = self.holes[i]
-            self.holes[i:i + 1] = [h for h in ((a, seq), (seq + 1, b)) if h[0] < h[1]]
+            self.holes[i : i + 1] = [h for h in ((a, seq), (seq + 1, b)) if h[0] < h[1]]
         else:
             self.duplicates += 1
 
@@ -245,6 +245,7 @@ def collect(files: Iterable[PathLike]) -> RunReport:
         except ValueError as e:
             raise LogReadError(f"{line.where}: {e}") from None
         except Exception as e:  # a value no check foresaw: still name the line
-            raise LogReadError(f"{line.where}: cannot use this line: "
-                               f"{type(e).__name__}: {e}") from None
+            raise LogReadError(
+                f"{line.where}: cannot use this line: {type(e).__name__}: {e}"
+            ) from None
     return r

@@ -57,17 +57,24 @@ def _g(v: float) -> str:
 def summary_dict(r: RunReport) -> dict[str, Any]:
     """The summary as plain data (`eventbus summary --json`)."""
     out: dict[str, Any] = {"files": r.files, "events": r.events, "ranks": sorted(r.ranks)}
-    out["status"] = (r.run_ended.status if r.run_ended else None)
-    out["steps"] = {"count": len(r.steps), "first": min(r.steps, default=None),
-                    "last": max(r.steps, default=None)}
+    out["status"] = r.run_ended.status if r.run_ended else None
+    out["steps"] = {
+        "count": len(r.steps),
+        "first": min(r.steps, default=None),
+        "last": max(r.steps, default=None),
+    }
     wall = (r.last_ts - r.first_ts) / 1e9 if r.first_ts is not None and r.last_ts else None
     out["wall_time_s"] = wall
     losses: dict[str, Any] = {}
     for split, pts in r.loss.items():
         finite = [p for p in pts if math.isfinite(p[1])]
         best = min(finite, key=lambda p: p[1]) if finite else None
-        losses[split] = {"first": pts[0], "min": best, "last": pts[-1],
-                         "non_finite": len(pts) - len(finite)}
+        losses[split] = {
+            "first": pts[0],
+            "min": best,
+            "last": pts[-1],
+            "non_finite": len(pts) - len(finite),
+        }
     out["loss"] = losses
     out["eval"] = {k: pts[-1] for k, pts in r.eval_metrics.items()}
     tp: dict[str, Any] = {}
@@ -85,13 +92,26 @@ def summary_dict(r: RunReport) -> dict[str, Any]:
     out["throughput"] = tp
     out["losses"] = _losses(r)
     out["detections"] = [
-        {"type": type(d).__name__, "step": d.step, "rank": d.rank,
-         **({"metric": d.metric, "value": d.value, "baseline": d.baseline, "reason": d.reason}
-            if isinstance(d, DivergenceDetected) else {}),
-         **({"metric": d.metric, "rate_mb_per_step": d.rate_mb_per_step, "window": d.window}
-            if isinstance(d, MemoryLeakSuspected) else {}),
-         **({"reason": d.reason, "abort": d.abort, "source": d.source}
-            if isinstance(d, StopRequested) else {})}
+        {
+            "type": type(d).__name__,
+            "step": d.step,
+            "rank": d.rank,
+            **(
+                {"metric": d.metric, "value": d.value, "baseline": d.baseline, "reason": d.reason}
+                if isinstance(d, DivergenceDetected)
+                else {}
+            ),
+            **(
+                {"metric": d.metric, "rate_mb_per_step": d.rate_mb_per_step, "window": d.window}
+                if isinstance(d, MemoryLeakSuspected)
+                else {}
+            ),
+            **(
+                {"reason": d.reason, "abort": d.abort, "source": d.source}
+                if isinstance(d, StopRequested)
+                else {}
+            ),
+        }
         for d in r.detections
     ]
     out["peak_memory_mb"] = {k: max(v for _, v in pts) for k, pts in r.memory.items() if pts}
@@ -132,16 +152,21 @@ def summary_lines(r: RunReport) -> list[str]:
     """The human summary, one fact per line."""
     d = summary_dict(r)
     ranks = d["ranks"]
-    lines = [f"run:        {', '.join(r.files)} ({r.events:,} events, "
-             f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"]
+    lines = [
+        f"run:        {', '.join(r.files)} ({r.events:,} events, "
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
+    ]
     status = d["status"] or "no RunEnded (still running, or it crashed)"
     if r.run_ended is not None and r.run_ended.reason:
         status += f": {r.run_ended.reason}"
     lines.append(f"status:     {status}")
     st = d["steps"]
     total = r.run_started.total_steps if r.run_started else None
-    lines.append(f"steps:      {st['count']:,}" + (f" of {total:,}" if total else "")
-                 + (f" ({st['first']} to {st['last']})" if st["count"] else ""))
+    lines.append(
+        f"steps:      {st['count']:,}"
+        + (f" of {total:,}" if total else "")
+        + (f" ({st['first']} to {st['last']})" if st["count"] else "")
+    )
     if d["wall_time_s"] is not None:
         lines.append(f"wall time:  {_hms(d['wall_time_s'])} ({d['wall_time_s']:.1f} s)")
     for split, lo in d["loss"].items():
@@ -153,8 +178,9 @@ def summary_lines(r: RunReport) -> list[str]:
             parts.append(f"{lo['non_finite']} non-finite")
         lines.append(f"loss {split + ':':<6} " + ", ".join(parts))
     if d["eval"]:
-        lines.append("eval:       " + ", ".join(f"{k} {_g(v[1])} @{v[0]}"
-                                                 for k, v in d["eval"].items()))
+        lines.append(
+            "eval:       " + ", ".join(f"{k} {_g(v[1])} @{v[0]}" for k, v in d["eval"].items())
+        )
     tp = d["throughput"]
     if tp:
         parts = []
@@ -176,8 +202,10 @@ def summary_lines(r: RunReport) -> list[str]:
             lines.append("  " + _detection(x))
     mem = d["peak_memory_mb"]
     if mem:
-        lines.append("peak memory: " + ", ".join(f"{k.removesuffix('_mb')} {v:,.0f} MB"
-                                                   for k, v in mem.items()))
+        lines.append(
+            "peak memory: "
+            + ", ".join(f"{k.removesuffix('_mb')} {v:,.0f} MB" for k, v in mem.items())
+        )
     return lines
 
 
@@ -187,8 +215,11 @@ def _losses_line(lo: dict[str, Any]) -> str:
         parts.append("unknown (no stats record: the writer was not closed cleanly)")
     else:
         parts.append(f"{lo['dropped']:,} dropped, {lo['failed']:,} failed")
-        bad = [f"{n}: {s['dropped']} dropped, {s['failed']} failed"
-               for n, s in lo["subscribers"].items() if s["dropped"] or s["failed"]]
+        bad = [
+            f"{n}: {s['dropped']} dropped, {s['failed']} failed"
+            for n, s in lo["subscribers"].items()
+            if s["dropped"] or s["failed"]
+        ]
         if bad:
             parts.append("(" + "; ".join(bad) + ")")
         if lo["bus"].get("rejected"):
@@ -210,10 +241,13 @@ def _losses_line(lo: dict[str, Any]) -> str:
 def _detection(x: dict[str, Any]) -> str:
     t = x["type"]
     if t == "DivergenceDetected":
-        return (f"divergence @{x['step']}: {x['metric']} {_g(x['value'])} "
-                f"(baseline {_g(x['baseline'])}) {x['reason']}")
+        return (
+            f"divergence @{x['step']}: {x['metric']} {_g(x['value'])} "
+            f"(baseline {_g(x['baseline'])}) {x['reason']}"
+        )
     if t == "MemoryLeakSuspected":
-        return (f"memory leak @{x['step']}: {x['metric']} +{x['rate_mb_per_step']:.3g} MB/step "
-                f"over {x['window']} steps")
+        return (
+            f"memory leak @{x['step']}: {x['metric']} +{x['rate_mb_per_step']:.3g} MB/step "
+            f"over {x['window']} steps"
+        )
     return f"{'abort' if x['abort'] else 'stop'} @{x['step']} by {x['source']}: {x['reason']}"
-

@@ -32,15 +32,32 @@ def add_parser(sub: Any) -> None:
     """Register `eventbus tail LOG [-n N] [--no-follow] [--timeout S] [--max-lines N]`."""
     t = sub.add_parser("tail", help="follow a live log, one line per step")
     t.add_argument("log", metavar="LOG")
-    t.add_argument("-n", "--lines", type=int, default=10, metavar="N",
-                   help="show the last N lines of what is already there (default 10)")
+    t.add_argument(
+        "-n",
+        "--lines",
+        type=int,
+        default=10,
+        metavar="N",
+        help="show the last N lines of what is already there (default 10)",
+    )
     t.add_argument("--no-follow", action="store_true", help="print what is there and exit")
-    t.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                   help="stop after this many seconds without new lines")
-    t.add_argument("--max-lines", type=int, default=None, metavar="N",
-                   help="stop after printing N lines")
-    t.add_argument("--interval", type=float, default=0.25, metavar="SECONDS",
-                   help="how often to look for new lines (default 0.25)")
+    t.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="stop after this many seconds without new lines",
+    )
+    t.add_argument(
+        "--max-lines", type=int, default=None, metavar="N", help="stop after printing N lines"
+    )
+    t.add_argument(
+        "--interval",
+        type=float,
+        default=0.25,
+        metavar="SECONDS",
+        help="how often to look for new lines (default 0.25)",
+    )
     t.set_defaults(func=run)
 
 
@@ -48,8 +65,10 @@ def run(args: argparse.Namespace) -> int:  # noqa: PLR0911 - one per stop reason
     """Print one line per step of a (live) log, then follow it."""
     files = log_files([args.log])
     if len(files) != 1:
-        raise UsageError(f"tail follows one file; {args.log} holds {len(files)}: "
-                         + ", ".join(p.name for p in files))
+        raise UsageError(
+            f"tail follows one file; {args.log} holds {len(files)}: "
+            + ", ".join(p.name for p in files)
+        )
     if args.lines < 0 or (args.max_lines is not None and args.max_lines < 1):
         raise UsageError("-n and --max-lines must be positive")
     if args.interval <= 0 or (args.timeout is not None and args.timeout < 0):
@@ -131,8 +150,10 @@ class _Follower:
         except OSError as e:
             raise LogReadError(f"{self.path}: cannot read: {e.strerror or e}") from None
         if self.offset == 0 and data[:2] == b"\x1f\x8b":
-            raise LogReadError(f"{self.path}: a gzip file, not a JSONL log; decompress it "
-                               f"first (gunzip -k {self.path})")
+            raise LogReadError(
+                f"{self.path}: a gzip file, not a JSONL log; decompress it "
+                f"first (gunzip -k {self.path})"
+            )
         self.offset += len(data)
         lines = (self.partial + data).split(b"\n")
         self.partial = lines.pop()
@@ -168,8 +189,9 @@ class StepLines:
         except (LogReadError, ValueError) as e:
             raise LogReadError(f"{self.path}:{self.lineno}: {e}") from None
         except Exception as e:  # a value no check foresaw: still name the line
-            raise LogReadError(f"{self.path}:{self.lineno}: cannot show this line: "
-                               f"{type(e).__name__}: {e}") from None
+            raise LogReadError(
+                f"{self.path}:{self.lineno}: cannot show this line: {type(e).__name__}: {e}"
+            ) from None
 
     def feed_partial(self, partial: bytes, *, final: bool) -> list[str]:
         """An unterminated last line: refused at once if it can never become a log line; when
@@ -216,7 +238,15 @@ class StepLines:
 
 
 def _notable(ev: Event) -> str | None:
-    if isinstance(ev, RunStarted | RunEnded | DivergenceDetected | MemoryLeakSuspected
-                  | StopRequested | CheckpointSaved | CheckpointLoaded):
+    if isinstance(
+        ev,
+        RunStarted
+        | RunEnded
+        | DivergenceDetected
+        | MemoryLeakSuspected
+        | StopRequested
+        | CheckpointSaved
+        | CheckpointLoaded,
+    ):
         return "-- " + describe(ev)
     return None

@@ -39,11 +39,13 @@ RULES: dict[str, _Rule] = {
     "inbox_max_bytes": _Rule("a positive int (bytes)", _int_from(1)),
     "queue_max_bytes": _Rule("a positive int (bytes)", _int_from(1)),
     "close_timeout": _Rule("> 0 seconds (a finite number)", _seconds),
-    "hang_timeout": _Rule("> 0 seconds (JSON null: wait forever)",
-                          lambda v: v is None or _seconds(v)),
+    "hang_timeout": _Rule(
+        "> 0 seconds (JSON null: wait forever)", lambda v: v is None or _seconds(v)
+    ),
     "handle_signals": _Rule("true or false", lambda v: type(v) is bool),
-    "max_consecutive_failures": _Rule("an int >= 1 (JSON null: never disable)",
-                                      lambda v: v is None or _int_from(1)(v)),
+    "max_consecutive_failures": _Rule(
+        "an int >= 1 (JSON null: never disable)", lambda v: v is None or _int_from(1)(v)
+    ),
     "rank": _Rule("an int >= 0", _int_from(0)),
     "world_size": _Rule("an int >= 1", _int_from(1)),
     "name": _Rule("a non-empty string", lambda v: isinstance(v, str) and bool(v)),
@@ -56,8 +58,9 @@ def bus_keywords() -> list[str]:
     from eventbus.bus import EventBus
 
     params = inspect.signature(EventBus).parameters.values()
-    return sorted({p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
-                  | set(RULES))
+    return sorted(
+        {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)} | set(RULES)
+    )
 
 
 def check_bus_options(raw: Any, where: str) -> dict[str, Any]:

@@ -117,8 +117,9 @@ class SubscriberConfig:
 
     def subscribe_options(self) -> dict[str, Any]:
         """Keyword arguments for `bus.subscribe` (only those given)."""
-        opts: dict[str, Any] = {k: getattr(self, k) for k in _OPTIONS if k != "events"
-                                and getattr(self, k) is not None}
+        opts: dict[str, Any] = {
+            k: getattr(self, k) for k in _OPTIONS if k != "events" and getattr(self, k) is not None
+        }
         types = self.event_types()
         if types is not None:
             opts["events"] = types
@@ -133,9 +134,12 @@ class SubscriberConfig:
 
             if made is not None:  # module-level: pickled by reference
                 return ProcessSubscriber(made, events=self.event_types())
-            return ProcessSubscriber(SHORT_NAMES.get(self.factory, self.factory),
-                                     args=self.args, kwargs=self.kwargs,
-                                     events=self.event_types())
+            return ProcessSubscriber(
+                SHORT_NAMES.get(self.factory, self.factory),
+                args=self.args,
+                kwargs=self.kwargs,
+                events=self.event_types(),
+            )
         if made is not None:
             return made
         fn = self.factory_object()
@@ -169,8 +173,11 @@ def _one_required_argument(fn: Any) -> bool:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return False
-    required = [p for p in params if p.default is p.empty
-                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [
+        p
+        for p in params
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
     return len(required) == 1
 
 
@@ -259,11 +266,16 @@ def parse_entry(raw: Any, where: str) -> SubscriberConfig:
     if isinstance(events, str):
         events = [events]
     c = SubscriberConfig(
-        factory=factory, args=tuple(args), kwargs=dict(kwargs), policy=raw.get("policy"),
+        factory=factory,
+        args=tuple(args),
+        kwargs=dict(kwargs),
+        policy=raw.get("policy"),
         ranks=tuple(ranks) if isinstance(ranks, list | tuple) else ranks,
         placement=raw.get("placement"),
         events=tuple(events) if isinstance(events, list | tuple) else events,
-        maxsize=raw.get("maxsize"), max_batch=raw.get("max_batch"), name=raw.get("name"),
+        maxsize=raw.get("maxsize"),
+        max_batch=raw.get("max_batch"),
+        name=raw.get("name"),
         where=where,
     )
     return _checked(c)
@@ -281,7 +293,8 @@ def _checked(c: SubscriberConfig) -> SubscriberConfig:
     ):
         raise ConfigError(f"{w}: ranks must be a list of ranks (ints >= 0), got {c.ranks!r}")
     if c.events is not None and (
-        not isinstance(c.events, tuple) or not c.events
+        not isinstance(c.events, tuple)
+        or not c.events
         or not all(isinstance(n, str) for n in c.events)
     ):
         raise ConfigError(f"{w}: events must be a non-empty list of type names, got {c.events!r}")

@@ -83,8 +83,9 @@ def _from_text(text: str, where: str) -> _Parsed:
             return _document(data, where)
         return {}, [parse_entry(raw, f"{where} entry {i}") for i, raw in enumerate(data, 1)]
     specs = [p for p in s.replace("\n", ";").split(";") if p.strip()]
-    return {}, [parse_spec(p, where=f"{where} entry {i} ({p.strip()!r})")
-                for i, p in enumerate(specs, 1)]
+    return {}, [
+        parse_spec(p, where=f"{where} entry {i} ({p.strip()!r})") for i, p in enumerate(specs, 1)
+    ]
 
 
 def _merged(*parts: tuple[str, _Parsed]) -> _Parsed:
@@ -96,8 +97,10 @@ def _merged(*parts: tuple[str, _Parsed]) -> _Parsed:
     for where, (opts, configs) in parts:
         for k, v in opts.items():
             if k in bus and bus[k] != v:
-                raise ConfigError(f"{where} [bus]: {k} = {v!r} contradicts {seen[k]}'s "
-                                  f"{bus[k]!r}; set it in one place")
+                raise ConfigError(
+                    f"{where} [bus]: {k} = {v!r} contradicts {seen[k]}'s "
+                    f"{bus[k]!r}; set it in one place"
+                )
             bus[k], seen[k] = v, where
         subs += configs
     return bus, subs

@@ -10,7 +10,6 @@ subscriber raises, `BaseException` included, is counted and logged; it never end
 from __future__ import annotations
 
 import asyncio
-import enum
 import inspect
 import time
 from collections import deque
@@ -18,30 +17,15 @@ from collections.abc import Awaitable, Callable, Hashable, Iterable
 from typing import Any
 
 from eventbus.core.queue import SubscriberQueue
-from eventbus.core.subscriber import takes_argument
+from eventbus.core.subscriber import State, SubscriberGone, takes_argument
 from eventbus.core.worker import ThreadWorker
 from eventbus.events import Event
 from eventbus.log import RateLimiter, get_logger
 from eventbus.stats import SubscriberStats
 
-__all__ = ["Delivery", "State", "SubscriberGone"]
+__all__ = ["Delivery"]
 
 _log_limit = RateLimiter(10.0)
-
-
-class SubscriberGone(Exception):
-    """Raised by a subscriber that can never work again (its process died): disable it now."""
-
-
-class State(enum.StrEnum):
-    """Where a subscriber is in its life; shown as a string in `bus.stats()`."""
-
-    PENDING = "pending"  # subscribed, the loop has not attached it yet
-    RUNNING = "running"
-    DISABLED = "disabled"  # failed too often (or on_start raised): events counted, not handed
-    REMOVED = "removed"  # `Subscription.remove()`: delivering what was queued, then closed
-    CLOSED = "closed"
-    HUNG = "hung"  # still inside its code at the close deadline: abandoned
 
 
 def _is_async(fn: Any) -> bool:
@@ -132,8 +116,9 @@ class Delivery:
 
     def open(self) -> SubscriberQueue:
         """Make the queue (on the loop) and mark the subscriber running."""
-        self.queue = SubscriberQueue(self.policy, self.maxsize, max_bytes=self.max_bytes,
-                                     key=self.key)
+        self.queue = SubscriberQueue(
+            self.policy, self.maxsize, max_bytes=self.max_bytes, key=self.key
+        )
         if self.state is State.PENDING:
             self.state = State.RUNNING
         return self.queue
@@ -290,8 +275,13 @@ class Delivery:
             self.last_hook_error = e
             self._revoke(e)
             if self.report:
-                get_logger().warning("subscriber hook failed", subscriber=self.name, hook=hook,
-                                     error=self.last_error, exc_info=e)
+                get_logger().warning(
+                    "subscriber hook failed",
+                    subscriber=self.name,
+                    hook=hook,
+                    error=self.last_error,
+                    exc_info=e,
+                )
             if isinstance(e, SubscriberGone):
                 self.disable(self.last_error)
             return False
@@ -333,16 +323,24 @@ class Delivery:
         ok, held = _log_limit.allow((self.name, type(exc))) if self.report else (False, 0)
         if ok:
             get_logger().warning(
-                "subscriber failed", subscriber=self.name, event_type=type(ev).__name__,
-                step=ev.step, error=self.last_error, suppressed_since_last=held,
-                failed_total=self.failed, exc_info=exc,
+                "subscriber failed",
+                subscriber=self.name,
+                event_type=type(ev).__name__,
+                step=ev.step,
+                error=self.last_error,
+                suppressed_since_last=held,
+                failed_total=self.failed,
+                exc_info=exc,
             )
         limit = self.max_consecutive_failures
         gone = isinstance(exc, SubscriberGone)
         too_many = limit is not None and self.consecutive_failures >= limit
         if (gone or too_many) and self.state is State.RUNNING:
-            self.disable(self.last_error if gone
-                         else f"{limit} consecutive failures; last: {self.last_error}")
+            self.disable(
+                self.last_error
+                if gone
+                else f"{limit} consecutive failures; last: {self.last_error}"
+            )
 
     def _revoke(self, exc: BaseException) -> None:
         """A sink that finds events it had accepted were lost after all (a buffered write
@@ -372,7 +370,9 @@ class Delivery:
             state=str(self.state),
             published=self.routed + self.inbox_dropped + self.lost_at_close,
             delivered=self.delivered,
-            dropped=(q.dropped if q else 0) + self.inbox_dropped + self.lost_at_close
+            dropped=(q.dropped if q else 0)
+            + self.inbox_dropped
+            + self.lost_at_close
             + self.lost_in_flight,
             failed=self.failed,
             queued=q.queued if q else 0,
@@ -389,9 +389,7 @@ async def _awaited(aw: Awaitable[Any]) -> Any:
     return await aw
 
 
-def _call_each(
-    fn: Callable[[Event], Any], batch: Iterable[Event]
-) -> list[tuple[Event, Any]]:
+def _call_each(fn: Callable[[Event], Any], batch: Iterable[Event]) -> list[tuple[Event, Any]]:
     """Worker side of a plain sync function: one call per event, failures kept apart.
 
     Each entry is (event, None), (event, the exception) or (event, an awaitable it returned).

@@ -238,8 +238,11 @@ class Inbox:
             first = self.rejected == 1
         if first and not self._forked:
             ev = _event_of(item)
-            get_logger().warning("event published after the bus closed; it is not delivered",
-                                 event_type=type(ev).__name__, step=ev.step)
+            get_logger().warning(
+                "event published after the bus closed; it is not delivered",
+                event_type=type(ev).__name__,
+                step=ev.step,
+            )
 
     def _storm(self, item: Any) -> None:
         with self._lock:
@@ -251,8 +254,10 @@ class Inbox:
             get_logger().error(
                 "feedback storm: a subscriber publishes faster than the bus delivers; events "
                 "published from the bus side into a half-full inbox are dropped",
-                subscriber=who, event_type=type(_event_of(item)).__name__,
-                feedback_dropped=self.feedback_dropped, suppressed_since_last=held,
+                subscriber=who,
+                event_type=type(_event_of(item)).__name__,
+                feedback_dropped=self.feedback_dropped,
+                suppressed_since_last=held,
             )
 
     # -- the loop -----------------------------------------------------------------------

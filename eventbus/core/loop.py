@@ -22,10 +22,11 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
-from eventbus.core.delivery import Delivery, State
+from eventbus.core.delivery import Delivery
 from eventbus.core.handle import BusHandle
 from eventbus.core.inbox import Inbox, publisher
 from eventbus.core.router import Router
+from eventbus.core.subscriber import State
 from eventbus.log import get_logger
 from eventbus.stats import BusStats
 
@@ -38,15 +39,26 @@ class BusLoop:
     """Owns the bus thread: routing while running, then the ordered, bounded shutdown."""
 
     def __init__(
-        self, inbox: Inbox, handle: BusHandle, *, name: str, interval: float,
+        self,
+        inbox: Inbox,
+        handle: BusHandle,
+        *,
+        name: str,
+        interval: float,
         hang_timeout: float | None = None,
     ) -> None:
         self.inbox = inbox
         self.handle = handle
         self.name = name
         self.interval = interval
-        self.router = Router(inbox, start=self._start, retire=self._retire, spawn=self._spawn,
-                             poll_max=interval, hang_timeout=hang_timeout)
+        self.router = Router(
+            inbox,
+            start=self._start,
+            retire=self._retire,
+            spawn=self._spawn,
+            poll_max=interval,
+            hang_timeout=hang_timeout,
+        )
         self.thread: threading.Thread | None = None
         self.thread_id: int | None = None
         self.error: BaseException | None = None  # what ended the loop, if not a close
@@ -115,7 +127,8 @@ class BusLoop:
                     get_logger().warning(
                         "interrupted while closing: still draining lossless subscribers; "
                         "interrupt again to give up (what is lost is counted)",
-                        seconds_left=round(max(0.0, deadline - time.monotonic()), 1))
+                        seconds_left=round(max(0.0, deadline - time.monotonic()), 1),
+                    )
                 else:
                     self.give_up()
                     deadline = min(deadline, time.monotonic() + 1.0)
@@ -142,7 +155,10 @@ class BusLoop:
         inbox, router, error = self.inbox, self.router, self.error
         waiting = inbox.waiting()
         return BusStats(
-            published=router.routed + router.lost + inbox.dropped + inbox.feedback_dropped
+            published=router.routed
+            + router.lost
+            + inbox.dropped
+            + inbox.feedback_dropped
             + waiting,
             rejected=inbox.rejected,
             inbox_size=waiting,
@@ -178,8 +194,11 @@ class BusLoop:
                 e = e.exceptions[0]  # the task group's wrapping: name what really happened
             self.error = e
             self.inbox.close()  # first: nothing may arrive after the count below
-            get_logger().error("eventbus thread crashed; publishing no longer blocks and what "
-                               "it held is counted lost", exc_info=e)
+            get_logger().error(
+                "eventbus thread crashed; publishing no longer blocks and what "
+                "it held is counted lost",
+                exc_info=e,
+            )
             self._count_losses()
         finally:
             self.inbox.close()  # publishers never wait on a loop that is gone
@@ -325,7 +344,9 @@ class BusLoop:
         self.hung += (d.name,)
         get_logger().error(
             "subscriber did not finish before its close deadline and was abandoned",
-            subscriber=d.name, busy_with=d.busy_with, queued_lost=lost,
+            subscriber=d.name,
+            busy_with=d.busy_with,
+            queued_lost=lost,
         )
 
     def _count_losses(self) -> None:
@@ -342,4 +363,3 @@ class BusLoop:
 
 def _noop() -> None:
     return None
-

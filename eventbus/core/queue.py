@@ -107,8 +107,10 @@ class SubscriberQueue:
             if self.policy == "drop_newest":
                 self.dropped += 1
                 return True
-            while fifo and (len(fifo) >= self.maxsize  # drop_oldest: as many as it takes
-                            or (nbytes and self._bytes + nbytes > self.max_bytes)):
+            while fifo and (
+                len(fifo) >= self.maxsize  # drop_oldest: as many as it takes
+                or (nbytes and self._bytes + nbytes > self.max_bytes)
+            ):
                 self._forget(fifo.popleft())
                 self.dropped += 1
         if not fifo:
@@ -126,9 +128,12 @@ class SubscriberQueue:
             self.dropped += 1
             ok, held = _key_log.allow(type(e))
             if ok:
-                get_logger().warning("latest policy: the key function raised; event dropped",
-                                     event_type=type(ev).__name__, error=f"{type(e).__name__}: "
-                                     f"{e}", suppressed_since_last=held)
+                get_logger().warning(
+                    "latest policy: the key function raised; event dropped",
+                    event_type=type(ev).__name__,
+                    error=f"{type(e).__name__}: {e}",
+                    suppressed_since_last=held,
+                )
             return True
         latest = self._latest
         if not latest:
@@ -136,8 +141,9 @@ class SubscriberQueue:
         if k in latest:
             self._forget(latest.pop(k))
             self.dropped += 1  # the older event of this key is superseded
-        while latest and (len(latest) >= self.maxsize
-                          or (nbytes and self._bytes + nbytes > self.max_bytes)):
+        while latest and (
+            len(latest) >= self.maxsize or (nbytes and self._bytes + nbytes > self.max_bytes)
+        ):
             self._forget(latest.popitem(last=False)[1])  # the oldest key goes
             self.dropped += 1
         latest[k] = ev
@@ -212,8 +218,10 @@ class SubscriberQueue:
     def statistics(self) -> QueueStatistics:
         """The queue's counters now."""
         return QueueStatistics(
-            queued=len(self), queued_bytes=self._bytes,
-            high_water=max(self.high_water, len(self)), dropped=self.dropped,
-            maxsize=self.maxsize, max_bytes=self.max_bytes,
+            queued=len(self),
+            queued_bytes=self._bytes,
+            high_water=max(self.high_water, len(self)),
+            dropped=self.dropped,
+            maxsize=self.maxsize,
+            max_bytes=self.max_bytes,
         )
-

@@ -15,8 +15,9 @@ from typing import Any
 import anyio
 
 from eventbus.capture import pending_of, resolve
-from eventbus.core.delivery import Delivery, State
+from eventbus.core.delivery import Delivery
 from eventbus.core.inbox import Attach, Boxed, Detach, Flush, Inbox
+from eventbus.core.subscriber import State
 from eventbus.events import Event
 
 __all__ = ["Router"]
@@ -89,7 +90,7 @@ class Router:
         try:
             await self._route_all(taken, force)
         except BaseException:  # cancelled mid-chunk: what was taken and not routed is lost
-            self._count_lost(taken[self._next:])
+            self._count_lost(taken[self._next :])
             raise
         finally:
             self._taken = []
@@ -147,8 +148,10 @@ class Router:
                 continue
             since = d.busy_since
             if since is not None and time.monotonic() - since >= self._hang_timeout:
-                d.disable(f"hung: inside one call for over {self._hang_timeout} s while its "
-                          "full queue held the bus up")
+                d.disable(
+                    f"hung: inside one call for over {self._hang_timeout} s while its "
+                    "full queue held the bus up"
+                )
                 self.refresh()
                 q.put_nowait(ev, nbytes)  # disabled: counted as dropped
                 return
@@ -189,8 +192,7 @@ class Router:
 
     def refresh(self) -> None:
         """A subscriber changed state (disabled, closed): recount and re-route."""
-        self._set(tuple(d for d in self.deliveries if d.state in (State.RUNNING,
-                                                                   State.DISABLED)))
+        self._set(tuple(d for d in self.deliveries if d.state in (State.RUNNING, State.DISABLED)))
 
     def flush(self, marker: Flush) -> None:
         """Complete `marker` once every attached subscriber handled what came before it."""
@@ -206,6 +208,7 @@ class Router:
     def _then_flush(self, d: Delivery, marker: Flush) -> Callable[[], None]:
         def drained() -> None:  # called from its run task: the hook gets a task of its own
             self._spawn(lambda: self._flushed(d, marker))
+
         return drained
 
     async def _flushed(self, d: Delivery, marker: Flush) -> None:
@@ -217,7 +220,7 @@ class Router:
 
     def remaining(self) -> list[Any]:
         """What is still in the inbox (shutdown gave up): count it lost for its subscribers."""
-        lost = self._taken[self._next:] + self.inbox.take(len(self.inbox))  # a chunk in hand too
+        lost = self._taken[self._next :] + self.inbox.take(len(self.inbox))  # a chunk in hand too
         self._taken = []
         self._count_lost(lost)
         return lost

@@ -30,8 +30,11 @@ def checked_fields(cls: type[Event]) -> tuple[str, ...]:
             hints = typing.get_type_hints(cls)
         except Exception:  # an annotation that does not resolve: look at every field
             hints = {}
-        text = tuple(n for n, h in hints.items() if h in (str, bytes, str | None)
-                     and n not in ("step", "ts", "seq", "rank"))
+        text = tuple(
+            n
+            for n, h in hints.items()
+            if h in (str, bytes, str | None) and n not in ("step", "ts", "seq", "rank")
+        )
         names = _CHECKED[cls] = tuple(dict.fromkeys(capturable_fields(cls) + text))
     return names
 

@@ -5,6 +5,7 @@ One rule for each, shared by the bus, `replay` and a process-placed subscriber's
 
 from __future__ import annotations
 
+import enum
 import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -13,7 +14,9 @@ from eventbus.core.queue import POLICIES
 from eventbus.events import Event
 
 __all__ = [
+    "State",
     "SubscribeOptions",
+    "SubscriberGone",
     "describe",
     "event_types",
     "positive",
@@ -21,6 +24,21 @@ __all__ = [
     "takes_argument",
     "unique_name",
 ]
+
+
+class SubscriberGone(Exception):
+    """Raised by a subscriber that can never work again (its process died): disable it now."""
+
+
+class State(enum.StrEnum):
+    """Where a subscriber is in its life; shown as a string in `bus.stats()`."""
+
+    PENDING = "pending"  # subscribed, the loop has not attached it yet
+    RUNNING = "running"
+    DISABLED = "disabled"  # failed too often (or on_start raised): events counted, not handed
+    REMOVED = "removed"  # `Subscription.remove()`: delivering what was queued, then closed
+    CLOSED = "closed"
+    HUNG = "hung"  # still inside its code at the close deadline: abandoned
 
 
 def describe(sub: Any) -> str:
@@ -61,8 +79,9 @@ def takes_argument(fn: Callable[..., Any]) -> bool:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return True
-    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
-               for p in params)
+    return any(
+        p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in params
+    )
 
 
 class SubscribeOptions(NamedTuple):
@@ -77,8 +96,14 @@ class SubscribeOptions(NamedTuple):
 
 
 def subscribe_options(
-    sub: Any, *, events: Any, policy: str | None, maxsize: int | None, max_batch: int | None,
-    placement: str | None, ranks: Any,
+    sub: Any,
+    *,
+    events: Any,
+    policy: str | None,
+    maxsize: int | None,
+    max_batch: int | None,
+    placement: str | None,
+    ranks: Any,
 ) -> SubscribeOptions:
     """Check what `subscribe()` was given; defaults come from the subscriber's attributes
     (`events`, `policy`, `maxsize`, `max_batch`, `placement`, `ranks`)."""
@@ -103,13 +128,22 @@ def subscribe_options(
     if placement not in ("thread", "process"):
         raise ValueError(f"placement must be 'thread' or 'process', got {placement!r}")
     ranks = ranks if ranks is not None else getattr(sub, "ranks", None)
-    return SubscribeOptions(types, policy, maxsize, max_batch, placement,
-                            frozenset(ranks) if ranks is not None else None)
+    return SubscribeOptions(
+        types,
+        policy,
+        maxsize,
+        max_batch,
+        placement,
+        frozenset(ranks) if ranks is not None else None,
+    )
 
 
 def positive(name: str, value: Any, kind: type) -> None:
     """Raise a clear ValueError unless `value` is a positive `kind` (int, or any number)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0 or (
-        kind is int and not isinstance(value, int)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or value <= 0
+        or (kind is int and not isinstance(value, int))
     ):
         raise ValueError(f"{name} must be a positive {kind.__name__}, got {value!r}")

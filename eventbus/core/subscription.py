@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from eventbus.core.delivery import Delivery, State
+from eventbus.core.delivery import Delivery
+from eventbus.core.subscriber import State
 from eventbus.stats import SubscriberStats
 
 __all__ = ["Subscription"]
@@ -26,7 +27,10 @@ class Subscription:
     def active(self) -> bool:
         """False when `ranks=` excluded this rank, or after `remove()`."""
         return self._delivery is not None and self._delivery.state in (
-            State.PENDING, State.RUNNING, State.DISABLED)
+            State.PENDING,
+            State.RUNNING,
+            State.DISABLED,
+        )
 
     def remove(self) -> None:
         """Detach: events published from now on are not routed to it; queued ones still are."""

@@ -123,13 +123,15 @@ class EventBusCallback(Callback):  # type: ignore[misc]
         self._run_started = True
         step = trainer.global_step
         self._last_step = step
-        self.bus.publish(RunStarted(
-            step=step,
-            config=_config(trainer, pl_module),
-            total_steps=_total_steps(trainer),
-            world_size=trainer.world_size,
-            resumed_from_step=step or None,
-        ))
+        self.bus.publish(
+            RunStarted(
+                step=step,
+                config=_config(trainer, pl_module),
+                total_steps=_total_steps(trainer),
+                world_size=trainer.world_size,
+                resumed_from_step=step or None,
+            )
+        )
 
     def _end_run(
         self,
@@ -167,10 +169,13 @@ class EventBusCallback(Callback):  # type: ignore[misc]
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._flush_checkpoint(trainer)
-        self.bus.publish(EpochEnded(
-            step=trainer.global_step, epoch=trainer.current_epoch,
-            duration_s=time.perf_counter() - self._epoch_t0,
-        ))
+        self.bus.publish(
+            EpochEnded(
+                step=trainer.global_step,
+                epoch=trainer.current_epoch,
+                duration_s=time.perf_counter() - self._epoch_t0,
+            )
+        )
 
     # -- steps ---------------------------------------------------------------------------
 
@@ -217,11 +222,13 @@ class EventBusCallback(Callback):  # type: ignore[misc]
     def _end_step(self, step: int) -> None:
         t0 = self._step_t0
         now = time.perf_counter()
-        self.bus.publish(StepEnded(
-            step=step,
-            duration_s=None if t0 is None else now - t0,
-            samples=self._samples or None,
-        ))
+        self.bus.publish(
+            StepEnded(
+                step=step,
+                duration_s=None if t0 is None else now - t0,
+                samples=self._samples or None,
+            )
+        )
         if self._loss is not None:
             self.bus.publish(Loss(step=step, value=self._loss))
         for ev in self._optim:
@@ -243,12 +250,14 @@ class EventBusCallback(Callback):  # type: ignore[misc]
             return  # the pre-fit sanity check: Lightning discards its metrics too
         self._flush_checkpoint(trainer)
         t0 = self._val_t0
-        self.bus.publish(EvalEnded(
-            step=trainer.global_step,
-            # Tensors as Lightning holds them: the bus snapshots them without a sync.
-            metrics=eval_metrics(trainer.callback_metrics),
-            duration_s=None if t0 is None else time.perf_counter() - t0,
-        ))
+        self.bus.publish(
+            EvalEnded(
+                step=trainer.global_step,
+                # Tensors as Lightning holds them: the bus snapshots them without a sync.
+                metrics=eval_metrics(trainer.callback_metrics),
+                duration_s=None if t0 is None else time.perf_counter() - t0,
+            )
+        )
 
     def on_save_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
@@ -262,9 +271,12 @@ class EventBusCallback(Callback):  # type: ignore[misc]
     ) -> None:
         step = checkpoint.get("global_step")
         path = trainer.ckpt_path
-        self.bus.publish(CheckpointLoaded(
-            step=step if isinstance(step, int) else None, path=str(path) if path else "",
-        ))
+        self.bus.publish(
+            CheckpointLoaded(
+                step=step if isinstance(step, int) else None,
+                path=str(path) if path else "",
+            )
+        )
 
     def _flush_checkpoint(self, trainer: Trainer) -> None:
         step = self._ckpt_pending
@@ -324,16 +336,18 @@ def _grad_norm(groups: list[dict[str, Any]]) -> Any:
 
 def _config(trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
     conf: dict[str, Any] = {
-        "trainer": jsonable({
-            "max_epochs": trainer.max_epochs,
-            "max_steps": trainer.max_steps,
-            "accumulate_grad_batches": trainer.accumulate_grad_batches,
-            "gradient_clip_val": trainer.gradient_clip_val,
-            "precision": trainer.precision,
-            "num_devices": trainer.num_devices,
-            "num_nodes": trainer.num_nodes,
-            "strategy": type(trainer.strategy).__name__,
-        }),
+        "trainer": jsonable(
+            {
+                "max_epochs": trainer.max_epochs,
+                "max_steps": trainer.max_steps,
+                "accumulate_grad_batches": trainer.accumulate_grad_batches,
+                "gradient_clip_val": trainer.gradient_clip_val,
+                "precision": trainer.precision,
+                "num_devices": trainer.num_devices,
+                "num_nodes": trainer.num_nodes,
+                "strategy": type(trainer.strategy).__name__,
+            }
+        ),
         "model": type(pl_module).__name__,
     }
     conf.update(jsonable(dict(pl_module.hparams)))

@@ -92,14 +92,16 @@ class EventBusCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         self._stop_reason = None
         self._pending = None
         self._tokens_seen = state.num_input_tokens_seen or 0
-        self.bus.publish(RunStarted(
-            step=state.global_step,
-            config=jsonable(args.to_dict()),  # type: ignore[no-untyped-call,unused-ignore]
-            run_id=args.run_name,
-            total_steps=state.max_steps,
-            world_size=args.world_size,
-            resumed_from_step=state.global_step or None,
-        ))
+        self.bus.publish(
+            RunStarted(
+                step=state.global_step,
+                config=jsonable(args.to_dict()),  # type: ignore[no-untyped-call,unused-ignore]
+                run_id=args.run_name,
+                total_steps=state.max_steps,
+                world_size=args.world_size,
+                resumed_from_step=state.global_step or None,
+            )
+        )
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
@@ -135,10 +137,13 @@ class EventBusCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         self._flush_pending()
         if self._aborting:  # runs after DefaultFlowCallback: undo its end-of-epoch save/eval
             control.should_save = control.should_evaluate = False
-        self.bus.publish(EpochEnded(
-            step=state.global_step, epoch=self._epoch,
-            duration_s=time.perf_counter() - self._epoch_t0,
-        ))
+        self.bus.publish(
+            EpochEnded(
+                step=state.global_step,
+                epoch=self._epoch,
+                duration_s=time.perf_counter() - self._epoch_t0,
+            )
+        )
 
     # -- steps ---------------------------------------------------------------------------
 
@@ -181,12 +186,14 @@ class EventBusCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         if seen > self._tokens_seen:  # counted (and gathered) by the Trainer when enabled
             tokens, self._tokens_seen = seen - self._tokens_seen, seen
         t0 = self._step_t0
-        self.bus.publish(StepEnded(
-            step=state.global_step,
-            duration_s=None if t0 is None else time.perf_counter() - t0,
-            samples=args.per_device_train_batch_size * args.gradient_accumulation_steps,
-            tokens=tokens,
-        ))
+        self.bus.publish(
+            StepEnded(
+                step=state.global_step,
+                duration_s=None if t0 is None else time.perf_counter() - t0,
+                samples=args.per_device_train_batch_size * args.gradient_accumulation_steps,
+                tokens=tokens,
+            )
+        )
         self._step_t0 = None
         stop, abort = stop_state(self.bus)
         if stop:
@@ -236,10 +243,13 @@ class EventBusCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         metrics: dict[str, Any] | None = None,
         **kw: Any,
     ) -> None:
-        self.bus.publish(EvalEnded(
-            step=state.global_step, metrics=eval_metrics(metrics or {}),
-            duration_s=_runtime(metrics or {}),
-        ))
+        self.bus.publish(
+            EvalEnded(
+                step=state.global_step,
+                metrics=eval_metrics(metrics or {}),
+                duration_s=_runtime(metrics or {}),
+            )
+        )
 
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any

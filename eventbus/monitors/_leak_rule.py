@@ -59,7 +59,7 @@ def _block_medians(ys: list[float], blocks: int) -> list[float]:
     """The medians of `ys` cut into `blocks` consecutive pieces (fewer if `ys` is short)."""
     blocks = min(blocks, len(ys))
     size = len(ys) / blocks
-    return [statistics.median(ys[int(i * size):int((i + 1) * size)]) for i in range(blocks)]
+    return [statistics.median(ys[int(i * size) : int((i + 1) * size)]) for i in range(blocks)]
 
 
 class LeakRule:
@@ -89,9 +89,11 @@ class LeakRule:
             )
         if min_growth_mb <= 0:
             raise ValueError(f"min_growth_mb must be > 0 MB, got {min_growth_mb!r}")
-        for name, v in (("min_rising_fraction", min_rising_fraction),
-                        ("max_drop_ratio", max_drop_ratio),
-                        ("max_jump_fraction", max_jump_fraction)):
+        for name, v in (
+            ("min_rising_fraction", min_rising_fraction),
+            ("max_drop_ratio", max_drop_ratio),
+            ("max_jump_fraction", max_jump_fraction),
+        ):
             if not 0.0 < v <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {v!r}")
         if tolerance_mb < 0 or warmup < 0:
@@ -137,8 +139,10 @@ class LeakRule:
         ys = [y for _, y in pts]
         n = len(ys)
         size = n / self.blocks
-        growth = (statistics.median(ys[n - int(size):])  # the cheapest test first: a steady
-                  - statistics.median(ys[:int(size)]))   # loop stops here (~5 us)
+        growth = (
+            statistics.median(ys[n - int(size) :])  # the cheapest test first: a steady
+            - statistics.median(ys[: int(size)])
+        )  # loop stops here (~5 us)
         if growth < self.min_growth_mb:
             return None
         medians = _block_medians(ys, self.blocks)
@@ -160,8 +164,12 @@ class LeakRule:
         rate = theil_sen_slope([float(x) for x, _ in sample], [y for _, y in sample])
         if rate <= 0:
             return None
-        return LeakVerdict(step=pts[-1][0], rate_mb_per_step=rate, growth_mb=growth,
-                           window=pts[-1][0] - pts[0][0] + 1)
+        return LeakVerdict(
+            step=pts[-1][0],
+            rate_mb_per_step=rate,
+            growth_mb=growth,
+            window=pts[-1][0] - pts[0][0] + 1,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """The window and whether it fired, for a resumed run."""
@@ -169,7 +177,6 @@ class LeakRule:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
-        self._points = deque(((int(s), float(v)) for s, v in state["points"]),
-                             maxlen=self.window)
+        self._points = deque(((int(s), float(v)) for s, v in state["points"]), maxlen=self.window)
         self._seen = int(state["seen"])
         self._fired_at = state["fired_at"]

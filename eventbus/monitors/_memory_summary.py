@@ -56,14 +56,15 @@ class RunMemory:
         if self.peak_rss is None or r.rss > self.peak_rss[0]:
             self.peak_rss = (r.rss, r.step)
         if r.peak_allocated is not None and (
-                self.peak_alloc is None or r.peak_allocated > self.peak_alloc[0]):
+            self.peak_alloc is None or r.peak_allocated > self.peak_alloc[0]
+        ):
             self.peak_alloc = (r.peak_allocated, r.step)
         if r.reserved is not None and (
-                self.peak_reserved is None or r.reserved > self.peak_reserved[0]):
+            self.peak_reserved is None or r.reserved > self.peak_reserved[0]
+        ):
             self.peak_reserved = (r.reserved, r.step)
 
-    def summary(self, *, device: str, hwm: int | None, leaks: int,
-                snapshots: int) -> list[Event]:
+    def summary(self, *, device: str, hwm: int | None, leaks: int, snapshots: int) -> list[Event]:
         """The run's `MemorySample(phase="summary")` and its `Scalars` (none before a reading).
 
         `hwm`: the process's RSS high-water mark in bytes, if known.
@@ -98,11 +99,16 @@ class RunMemory:
             values["memory/snapshots_saved"] = snapshots
         return [
             MemorySample(
-                step=last.step, phase="summary", rss_mb=last.rss,
+                step=last.step,
+                phase="summary",
+                rss_mb=last.rss,
                 rss_peak_mb=max(peak_rss, hwm / MB if hwm is not None else 0.0),
-                allocated_mb=last.allocated, reserved_mb=last.reserved,
+                allocated_mb=last.allocated,
+                reserved_mb=last.reserved,
                 peak_allocated_mb=self.peak_alloc[0] if self.peak_alloc else None,
-                alloc_retries=last.alloc_retries, ooms=last.ooms, device=device,
+                alloc_retries=last.alloc_retries,
+                ooms=last.ooms,
+                device=device,
             ),
             Scalars(step=last.step, values=values),
         ]

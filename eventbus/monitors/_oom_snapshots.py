@@ -95,11 +95,16 @@ class OomSnapshots:
             directory.mkdir(parents=True, exist_ok=True)
             path = directory / (
                 f"memory_snapshot_{reason}_rank{rank}_"
-                f"{time.strftime('%Y%m%d-%H%M%S')}_{len(self.paths)}.pickle")
+                f"{time.strftime('%Y%m%d-%H%M%S')}_{len(self.paths)}.pickle"
+            )
             # Pickles the allocator's host-side records: no device sync.
             torch.cuda.memory._dump_snapshot(str(path))  # type: ignore[no-untyped-call]
             self._dumped_ooms = max(self._dumped_ooms, ooms)
             self.paths.append(str(path))
-        get_logger().warning("CUDA memory snapshot written", path=str(path), reason=reason,
-                             view="https://pytorch.org/memory_viz")
+        get_logger().warning(
+            "CUDA memory snapshot written",
+            path=str(path),
+            reason=reason,
+            view="https://pytorch.org/memory_viz",
+        )
         return str(path), True

@@ -36,7 +36,11 @@ class DivergenceDetector:
     name = "DivergenceDetector"
 
     def __init__(
-        self, metric: str = "loss", action: Action = "warn", *, split: str = "train",
+        self,
+        metric: str = "loss",
+        action: Action = "warn",
+        *,
+        split: str = "train",
         **rule: Any,
     ) -> None:
         if action not in _ACTIONS:
@@ -93,13 +97,18 @@ class DivergenceDetector:
             return None
 
     def _report(self, d: Detection) -> None:
-        ev = DivergenceDetected(step=d.step, metric=self.metric, value=d.value,
-                                baseline=d.baseline, reason=d.reason)
+        ev = DivergenceDetected(
+            step=d.step, metric=self.metric, value=d.value, baseline=d.baseline, reason=d.reason
+        )
         self.detections.append(ev)
         get_logger().warning(
-            "divergence detected", metric=self.metric, step=d.step,
+            "divergence detected",
+            metric=self.metric,
+            step=d.step,
             value=d.value if math.isfinite(d.value) else repr(d.value),
-            baseline=d.baseline, reason=d.reason, action=self.action,
+            baseline=d.baseline,
+            reason=d.reason,
+            action=self.action,
         )
         bus = self.bus
         if bus is None:
@@ -113,8 +122,7 @@ class DivergenceDetector:
 
     def state_dict(self) -> dict[str, Any]:
         """The rule's windows and baseline, so a resumed run keeps its reference."""
-        return {"metric": self.metric, "auto_step": self._auto_step,
-                "rule": self.rule.state_dict()}
+        return {"metric": self.metric, "auto_step": self._auto_step, "rule": self.rule.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("metric", self.metric) != self.metric:

@@ -86,7 +86,11 @@ class MemoryProfiler:
     """
 
     events: ClassVar[tuple[type[Event], ...]] = (
-        StepEnded, ForwardEnded, BackwardEnded, OptimizerStepped, MemorySample,
+        StepEnded,
+        ForwardEnded,
+        BackwardEnded,
+        OptimizerStepped,
+        MemorySample,
     )
     policy: ClassVar[str] = "drop_oldest"
     maxsize: ClassVar[int] = 4096
@@ -121,8 +125,12 @@ class MemoryProfiler:
         if device is None and cuda_initialized():
             self._device_arg = torch.cuda.current_device()
         self._rules = {
-            m: LeakRule(window=leak_window, min_growth_mb=leak_min_growth_mb,
-                        cooldown=leak_cooldown, warmup=leak_warmup)
+            m: LeakRule(
+                window=leak_window,
+                min_growth_mb=leak_min_growth_mb,
+                cooldown=leak_cooldown,
+                warmup=leak_warmup,
+            )
             for m in ("rss_mb", "allocated_mb")
         }
         self._bus: BusHandle | None = None
@@ -159,13 +167,14 @@ class MemoryProfiler:
         elif self.record_history:
             get_logger().warning(UNAVAILABLE, monitor="MemoryProfiler")
         elif self._device_arg is not None:
-            get_logger().warning("MemoryProfiler(device=...) ignored: CUDA is not available",
-                                 device=str(self._device_arg))
+            get_logger().warning(
+                "MemoryProfiler(device=...) ignored: CUDA is not available",
+                device=str(self._device_arg),
+            )
 
     def on_events(self, batch: list[Event]) -> None:
         """Read memory for the newest step (and phase) events; publish samples and leaks."""
-        last_step_i = max((i for i, ev in enumerate(batch) if type(ev) is StepEnded),
-                          default=-1)
+        last_step_i = max((i for i, ev in enumerate(batch) if type(ev) is StepEnded), default=-1)
         last_i = len(batch) - 1
         for i, ev in enumerate(batch):
             cls = type(ev)
@@ -181,7 +190,8 @@ class MemoryProfiler:
                     self._coalesced += 1  # a later step is in this batch: read once, for it
             elif i == last_i:  # a phase read is only meaningful if nothing came after it
                 phase = _PHASES.get(cls) or next(
-                    (p for c, p in _PHASES.items() if issubclass(cls, c)), None)
+                    (p for c, p in _PHASES.items() if issubclass(cls, c)), None
+                )
                 if phase is not None:
                     self._on_phase_end(ev, phase)
 
@@ -228,8 +238,14 @@ class MemoryProfiler:
         self._phase_peaks = {}  # snapshot() already folded the phase peaks into the step's
         self._record(r, source=None, lag_s=0.0, phases={})  # already on the bus: no re-publish
 
-    def _record(self, r: Reading, *, source: str | None, lag_s: float | None,
-                phases: dict[str, tuple[float, float | None]]) -> None:
+    def _record(
+        self,
+        r: Reading,
+        *,
+        source: str | None,
+        lag_s: float | None,
+        phases: dict[str, tuple[float, float | None]],
+    ) -> None:
         self._run.add(r)
         if r.ooms:
             self._maybe_dump_missed_oom(r.ooms)
@@ -238,21 +254,45 @@ class MemoryProfiler:
             self._publish_sample(r, source=source, lag_s=lag_s, phases=phases)
         self._check_leaks(r)
 
-    def _publish_sample(self, r: Reading, *, source: str, lag_s: float | None,
-                        phases: dict[str, tuple[float, float | None]]) -> None:
+    def _publish_sample(
+        self,
+        r: Reading,
+        *,
+        source: str,
+        lag_s: float | None,
+        phases: dict[str, tuple[float, float | None]],
+    ) -> None:
         peak = rss_peak_bytes()
         peak_rss = self._run.peak_rss
         for phase, (mb, phase_lag) in phases.items():
-            self._publish(MemorySample(step=r.step, phase=phase, peak_allocated_mb=mb,
-                                       device=self._device_name, source=source, lag_s=phase_lag))
-        self._publish(MemorySample(
-            step=r.step, phase="step", rss_mb=r.rss,
-            rss_peak_mb=max(r.rss, peak_rss[0] if peak_rss else 0.0,
-                            peak / MB if peak is not None else 0.0),
-            allocated_mb=r.allocated, reserved_mb=r.reserved, peak_allocated_mb=r.peak_allocated,
-            alloc_retries=r.alloc_retries, ooms=r.ooms, device=self._device_name,
-            source=source if self._cuda is not None else None, lag_s=lag_s,
-        ))
+            self._publish(
+                MemorySample(
+                    step=r.step,
+                    phase=phase,
+                    peak_allocated_mb=mb,
+                    device=self._device_name,
+                    source=source,
+                    lag_s=phase_lag,
+                )
+            )
+        self._publish(
+            MemorySample(
+                step=r.step,
+                phase="step",
+                rss_mb=r.rss,
+                rss_peak_mb=max(
+                    r.rss, peak_rss[0] if peak_rss else 0.0, peak / MB if peak is not None else 0.0
+                ),
+                allocated_mb=r.allocated,
+                reserved_mb=r.reserved,
+                peak_allocated_mb=r.peak_allocated,
+                alloc_retries=r.alloc_retries,
+                ooms=r.ooms,
+                device=self._device_name,
+                source=source if self._cuda is not None else None,
+                lag_s=lag_s,
+            )
+        )
 
     def _check_leaks(self, r: Reading) -> None:
         for metric, value in (("rss_mb", r.rss), ("allocated_mb", r.allocated)):
@@ -263,18 +303,28 @@ class MemoryProfiler:
                 continue
             self._leaks.append(v)
             get_logger().warning(
-                "memory grows steadily: leak suspected", metric=metric, step=v.step,
-                rate_mb_per_step=round(v.rate_mb_per_step, 3), growth_mb=round(v.growth_mb, 1),
+                "memory grows steadily: leak suspected",
+                metric=metric,
+                step=v.step,
+                rate_mb_per_step=round(v.rate_mb_per_step, 3),
+                growth_mb=round(v.growth_mb, 1),
                 window=v.window,
             )
-            self._publish(MemoryLeakSuspected(step=v.step, rate_mb_per_step=v.rate_mb_per_step,
-                                              window=v.window, metric=metric))
+            self._publish(
+                MemoryLeakSuspected(
+                    step=v.step, rate_mb_per_step=v.rate_mb_per_step, window=v.window, metric=metric
+                )
+            )
 
     def _publish_summary(self) -> None:
         if self._run.last is None:
             return
-        for ev in self._run.summary(device=self._device_name, hwm=rss_peak_bytes(),
-                                    leaks=len(self._leaks), snapshots=len(self.snapshots)):
+        for ev in self._run.summary(
+            device=self._device_name,
+            hwm=rss_peak_bytes(),
+            leaks=len(self._leaks),
+            snapshots=len(self.snapshots),
+        ):
             self._publish(ev)
 
     def _publish(self, ev: Event) -> None:
@@ -292,8 +342,10 @@ class MemoryProfiler:
         started = self._started.is_set() or self._started.wait(_START_WAIT_S)
         bus = self._bus  # set before `_started`
         if not started or bus is None:
-            raise RuntimeError("MemoryProfiler.snapshot(): subscribe the profiler to a started "
-                               "bus first (bus.subscribe(profiler); with bus: ...)")
+            raise RuntimeError(
+                "MemoryProfiler.snapshot(): subscribe the profiler to a started "
+                "bus first (bus.subscribe(profiler); with bus: ...)"
+            )
         # Host-side allocator counters: no device sync (see _memory_read).
         cuda = self._cuda.read(reset_peak=self.reset_peak) if self._cuda is not None else None
         peak_mb = cuda.peak_allocated / MB if cuda else None
@@ -304,20 +356,30 @@ class MemoryProfiler:
             peak = rss_peak_bytes()
             rss = rss_bytes() / MB
             ev = MemorySample(
-                step=step, phase="step", rss_mb=rss,
+                step=step,
+                phase="step",
+                rss_mb=rss,
                 rss_peak_mb=max(rss, peak / MB) if peak is not None else rss,
                 allocated_mb=cuda.allocated / MB if cuda else None,
                 reserved_mb=cuda.reserved / MB if cuda else None,
                 peak_allocated_mb=peak_mb,
                 alloc_retries=cuda.alloc_retries if cuda else None,
                 ooms=cuda.ooms if cuda else None,
-                device=self._device_name, source="training", lag_s=0.0,
+                device=self._device_name,
+                source="training",
+                lag_s=0.0,
             )
         else:
             if peak_mb is not None:
                 self._train_phase_peak = max(self._train_phase_peak, peak_mb)
-            ev = MemorySample(step=step, phase=phase, device=self._device_name,
-                              peak_allocated_mb=peak_mb, source="training", lag_s=0.0)
+            ev = MemorySample(
+                step=step,
+                phase=phase,
+                device=self._device_name,
+                peak_allocated_mb=peak_mb,
+                source="training",
+                lag_s=0.0,
+            )
         bus.publish(ev)
         return ev
 
@@ -332,9 +394,10 @@ class MemoryProfiler:
         except torch.OutOfMemoryError:
             if self._oom is None or not self._oom.recording:
                 get_logger().warning(
-                    UNAVAILABLE if self._cuda is None and self._bus is not None
+                    UNAVAILABLE
+                    if self._cuda is None and self._bus is not None
                     else "no memory snapshot written on OOM: pass MemoryProfiler("
-                         "record_history=True) and subscribe it to a started bus",
+                    "record_history=True) and subscribe it to a started bus",
                     monitor="MemoryProfiler",
                 )
             else:
@@ -350,8 +413,9 @@ class MemoryProfiler:
         path, new = oom.dump(reason, self.snapshot_dir, self._bus.rank if self._bus else 0)
         if new:
             last = self._run.last
-            self._publish(MemorySnapshotSaved(path=path, reason=reason,
-                                              step=last.step if last else None))
+            self._publish(
+                MemorySnapshotSaved(path=path, reason=reason, step=last.step if last else None)
+            )
         return path
 
     @property

@@ -54,12 +54,18 @@ class SpeedMonitor:
         peak_flops: float | None = None,
         prefix: str = "speed/",
     ) -> None:
-        for name, v, lo in (("every", every, 1), ("window", window, 1),
-                            ("warmup_steps", warmup_steps, 0)):
+        for name, v, lo in (
+            ("every", every, 1),
+            ("window", window, 1),
+            ("warmup_steps", warmup_steps, 0),
+        ):
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
-        for name, f in (("flops_per_step", flops_per_step), ("flops_per_token", flops_per_token),
-                        ("peak_flops", peak_flops)):
+        for name, f in (
+            ("flops_per_step", flops_per_step),
+            ("flops_per_token", flops_per_token),
+            ("peak_flops", peak_flops),
+        ):
             if f is not None and not (isinstance(f, int | float) and math.isfinite(f) and f > 0):
                 raise ValueError(f"{name} must be a positive finite number, got {f!r}")
         if flops_per_step is not None and flops_per_token is not None:
@@ -121,8 +127,11 @@ class SpeedMonitor:
         if self._seen > self.warmup_steps and math.isfinite(seconds) and seconds >= 0:
             self._steps.append(_Step(seconds, steps, ev.samples, ev.tokens))
         last = self._last_published
-        if (step // self.every > last // self.every) if last is not None else (
-                step % self.every == 0):
+        if (
+            (step // self.every > last // self.every)
+            if last is not None
+            else (step % self.every == 0)
+        ):
             return self._publish(step)
         return None
 

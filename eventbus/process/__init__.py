@@ -20,5 +20,9 @@ from eventbus.process.errors import ChildProcessDied, ChildProcessHung, RemoteEr
 from eventbus.process.proxy import ProcessSubscriber
 
 __all__ = [
-    "ChildProcessDied", "ChildProcessHung", "ProcessSubscriber", "RemoteError", "SubscriberGone",
+    "ChildProcessDied",
+    "ChildProcessHung",
+    "ProcessSubscriber",
+    "RemoteError",
+    "SubscriberGone",
 ]

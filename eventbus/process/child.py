@@ -69,8 +69,9 @@ class ChildBus:
             return wire.encode_reply(error, value, published=published, requests=requests)
         except BaseException as e:  # a state or event field that won't pickle
             lost = f"; {len(published)} published events lost" if published else ""
-            return wire.encode_reply(f"the reply could not be sent{lost}: {describe_error(e)}",
-                                     requests=requests)
+            return wire.encode_reply(
+                f"the reply could not be sent{lost}: {describe_error(e)}", requests=requests
+            )
 
 
 class SubscriberCalls:
@@ -112,8 +113,10 @@ class SubscriberCalls:
         ev, first = d.first_failure
         if d.batched:
             return describe_error(first, [ev])
-        return (f"{d.failed - failed} of {len(events)} events failed; first: "
-                f"{describe_error(first, [ev])}")
+        return (
+            f"{d.failed - failed} of {len(events)} events failed; first: "
+            f"{describe_error(first, [ev])}"
+        )
 
     def close(self) -> None:
         self.delivery.worker.stop()

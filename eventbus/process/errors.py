@@ -3,7 +3,7 @@ the delivery code counts that batch failed and disables the subscriber at once."
 
 from __future__ import annotations
 
-from eventbus.core.delivery import SubscriberGone
+from eventbus.core.subscriber import SubscriberGone
 
 __all__ = ["ChildProcessDied", "ChildProcessHung", "RemoteError", "SubscriberGone"]
 

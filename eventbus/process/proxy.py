@@ -69,8 +69,10 @@ class ProcessSubscriber:
             self._target: wire.Target = ("factory", (spec, tuple(args), kwargs))
         else:
             if args or kwargs:
-                raise TypeError("args/kwargs are for an import path 'module:factory', not an "
-                                "already built subscriber")
+                raise TypeError(
+                    "args/kwargs are for an import path 'module:factory', not an "
+                    "already built subscriber"
+                )
             template = sub
             data = _pickled(sub)
             self._main = _main_for(sub, data)
@@ -81,8 +83,9 @@ class ProcessSubscriber:
                 setattr(self, attr, v)
         if events is not None:
             self.events = tuple(events)
-        self.name = name or (describe(template) if not isinstance(template, type)
-                             else template.__name__)
+        self.name = name or (
+            describe(template) if not isinstance(template, type) else template.__name__
+        )
         self.batched = hasattr(template, "on_events")
         self.start_timeout = start_timeout
         self.batch_timeout = batch_timeout
@@ -120,8 +123,12 @@ class ProcessSubscriber:
         """Spawn the child and wait until it built the subscriber and ran its `on_start`."""
         self._bus = bus
         info: wire.StartInfo = {
-            "rank": bus.rank, "world_size": bus.world_size, "local_rank": bus.local_rank,
-            "name": self.name, "main": self._main, "nice": self.nice,
+            "rank": bus.rank,
+            "world_size": bus.world_size,
+            "local_rank": bus.local_rank,
+            "name": self.name,
+            "main": self._main,
+            "nice": self.nice,
         }
         reply = await self._call(self._spawn, info)
         self._apply(reply)
@@ -177,8 +184,10 @@ class ProcessSubscriber:
 
     def _sync_call(self, op: bytes, payload: bytes) -> Any:
         if self._proc is None or self._dead is not None:
-            raise RuntimeError(f"process subscriber {self.name!r} is not running: "
-                               f"{self._dead or 'the bus has not started it'}")
+            raise RuntimeError(
+                f"process subscriber {self.name!r} is not running: "
+                f"{self._dead or 'the bus has not started it'}"
+            )
         reply = self._exchange(op, payload, self.close_timeout)
         if reply["error"]:
             raise RemoteError(reply["error"])
@@ -195,8 +204,9 @@ class ProcessSubscriber:
             self._ready.set()
         if reply["error"]:
             self._reap(self.close_timeout)
-            raise RemoteError(f"building or starting {self.name!r} in the child failed: "
-                              f"{reply['error']}")
+            raise RemoteError(
+                f"building or starting {self.name!r} in the child failed: {reply['error']}"
+            )
         return reply
 
     def _exchange(self, op: bytes, payload: bytes, timeout: float | None) -> wire.Reply:
@@ -206,7 +216,8 @@ class ProcessSubscriber:
                 self._conn.send_bytes(op + payload)
             except OSError as e:  # BrokenPipeError, ConnectionResetError
                 raise ChildProcessDied(
-                    self._proc.why_dead(self.name, f"pipe closed: {e}")) from None
+                    self._proc.why_dead(self.name, f"pipe closed: {e}")
+                ) from None
             return self._wait(timeout, op)
 
     def _wait(self, timeout: float | None, op: bytes) -> wire.Reply:
@@ -243,8 +254,7 @@ class ProcessSubscriber:
         """The child died or hung: remember and log it (the raised `SubscriberGone` disables us)."""
         if self._dead is None:
             self._dead = why
-        get_logger().error("process subscriber's child is gone", subscriber=self.name,
-                           reason=why)
+        get_logger().error("process subscriber's child is gone", subscriber=self.name, reason=why)
 
     def _apply(self, reply: wire.Reply) -> None:
         """Publish what the child published; forward its stop/abort requests; raise its error."""
@@ -271,7 +281,7 @@ def _pickled(sub: Any) -> bytes:
     if spawn.importing_main():
         raise RuntimeError(
             "a process-placed subscriber was created while its child imported your script: "
-            "guard the script's training code with `if __name__ == \"__main__\":` (as for "
+            'guard the script\'s training code with `if __name__ == "__main__":` (as for '
             "multiprocessing), or define the subscriber in a module of its own"
         )
     return data

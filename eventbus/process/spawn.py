@@ -56,8 +56,7 @@ class Child:
         """A sentence for the error: which child died, how, and what we saw."""
         self.join(0.5)
         code = self.exitcode
-        how = (f"killed by signal {-code}" if code is not None and code < 0
-               else f"exit code {code}")
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         return f"child process {self.pid} of {name!r} died ({how}; {what})"
 
 
@@ -69,7 +68,9 @@ def launch(name: str) -> tuple[Child, Connection]:
     try:
         popen = subprocess.Popen(
             [sys.executable, "-c", _BOOT, str(theirs.fileno()), name],
-            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env,
+            pass_fds=(theirs.fileno(),),
+            stdin=subprocess.DEVNULL,
+            env=env,
         )
     finally:
         theirs.close()  # the child's copy stays open: it sees EOF only when we are gone

@@ -23,18 +23,39 @@ from typing import Any, Literal, TypedDict
 from eventbus.events import Event, StopRequested, UnknownEvent, event_type
 
 __all__ = [
-    "BATCH", "CLOSE", "LOAD", "OP_NAMES", "START", "STATE", "Reply", "StartInfo", "Target",
-    "decode_reply", "decode_start", "dumps", "encode_reply", "encode_start", "pack", "unpack",
+    "BATCH",
+    "CLOSE",
+    "LOAD",
+    "OP_NAMES",
+    "START",
+    "STATE",
+    "Reply",
+    "StartInfo",
+    "Target",
+    "decode_reply",
+    "decode_start",
+    "dumps",
+    "encode_reply",
+    "encode_start",
+    "pack",
+    "unpack",
 ]
 
 # Parent -> child opcodes (first byte of each message after the start record).
 START, BATCH, CLOSE, STATE, LOAD = b"S", b"B", b"C", b"D", b"L"
-OP_NAMES = {START: "start", BATCH: "a batch", CLOSE: "close", STATE: "state_dict",
-            LOAD: "load_state_dict"}
+OP_NAMES = {
+    START: "start",
+    BATCH: "a batch",
+    CLOSE: "close",
+    STATE: "state_dict",
+    LOAD: "load_state_dict",
+}
 
 # What the child builds: a pickled subscriber, or (import path, args, kwargs) of a factory.
-Target = (tuple[Literal["pickled"], bytes]
-          | tuple[Literal["factory"], tuple[str, tuple[Any, ...], dict[str, Any]]])
+Target = (
+    tuple[Literal["pickled"], bytes]
+    | tuple[Literal["factory"], tuple[str, tuple[Any, ...], dict[str, Any]]]
+)
 
 
 class StartInfo(TypedDict):
@@ -70,12 +91,19 @@ def decode_start(data: bytes) -> tuple[Target, int, StartInfo]:
     return target, ppid, info
 
 
-def encode_reply(error: str | None = None, value: Any = None, *,
-                 published: Sequence[Event] = (),
-                 requests: Sequence[StopRequested] = ()) -> bytes:
-    reply: Reply = {"error": error, "value": value,
-                    "published": pack(published) if published else None,
-                    "requests": list(requests)}
+def encode_reply(
+    error: str | None = None,
+    value: Any = None,
+    *,
+    published: Sequence[Event] = (),
+    requests: Sequence[StopRequested] = (),
+) -> bytes:
+    reply: Reply = {
+        "error": error,
+        "value": value,
+        "published": pack(published) if published else None,
+        "requests": list(requests),
+    }
     return dumps(reply)
 
 
@@ -135,8 +163,10 @@ def _maker(tname: str, module: str, names: tuple[str, ...]) -> Callable[[tuple[A
     if cls is not None and cls is not UnknownEvent:
         known = {f.name for f in dataclasses.fields(cls)}
         if known.issuperset(names):
+
             def make(values: tuple[Any, ...], cls: type[Event] = cls) -> Event:
                 return cls(**dict(zip(names, values, strict=True)))
+
             return make
 
     def unknown(values: tuple[Any, ...]) -> Event:

@@ -13,7 +13,8 @@ __all__ = ["check_writable_dir", "check_writable_file"]
 def _error(who: str, path: Path, e: OSError, what: str) -> OSError:
     reason = e.strerror or str(e)
     err = type(e)(
-        e.errno, f"{who} cannot write {what} {str(path)!r}: {reason}; "
+        e.errno,
+        f"{who} cannot write {what} {str(path)!r}: {reason}; "
         "pass a directory this process can create and write files in",
     )
     err.filename = str(path)
@@ -32,8 +33,11 @@ def check_writable_dir(path: Path, who: str) -> Path:
     except OSError as e:
         raise _error(who, path, e, "under") from None
     if not path.is_dir():
-        raise NotADirectoryError(20, f"{who} cannot write under {str(path)!r}: it is not a "
-                                 "directory; pass a directory (or a *.jsonl file path)")
+        raise NotADirectoryError(
+            20,
+            f"{who} cannot write under {str(path)!r}: it is not a "
+            "directory; pass a directory (or a *.jsonl file path)",
+        )
     try:
         fd, probe = tempfile.mkstemp(prefix=".eventbus-probe-", dir=path)
     except OSError as e:

@@ -98,8 +98,11 @@ class JsonlFile:
             return
         os.truncate(path, keep)
         self.torn_lines_repaired += 1
-        get_logger().warning("JSONL log ended with a partial line (a crash mid-write); removed",
-                             path=str(path), bytes_removed=size - keep)
+        get_logger().warning(
+            "JSONL log ended with a partial line (a crash mid-write); removed",
+            path=str(path),
+            bytes_removed=size - keep,
+        )
 
     def truncate_after(self, step: int | None) -> None:
         """Keep lines with step <= `step`, and step-less lines before the first later step;
@@ -130,8 +133,9 @@ class JsonlFile:
                 end += len(line)
         if torn:
             self.torn_lines_repaired += 1
-            get_logger().warning("JSONL log ended with a partial line (a crash mid-write); "
-                                 "removed", path=str(path))
+            get_logger().warning(
+                "JSONL log ended with a partial line (a crash mid-write); removed", path=str(path)
+            )
         if cut is None:
             if torn:
                 os.ftruncate(self.fd, end)
@@ -149,8 +153,12 @@ class JsonlFile:
             os.close(self.fd)
             self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
         self.lines_truncated += dropped
-        get_logger().info("JSONL log resumed: later steps removed", path=str(path),
-                          resume_step=step, lines_removed=dropped)
+        get_logger().info(
+            "JSONL log resumed: later steps removed",
+            path=str(path),
+            resume_step=step,
+            lines_removed=dropped,
+        )
 
     # -- writing -----------------------------------------------------------------------------
 
@@ -169,8 +177,9 @@ class JsonlFile:
         assert self.error is not None
         self.lines_lost += n
         return JsonlWriteError(
-            self.error.errno, f"JSONL writer failed earlier ({self.error}); "
-            f"{n} events not written to {self.path}")
+            self.error.errno,
+            f"JSONL writer failed earlier ({self.error}); {n} events not written to {self.path}",
+        )
 
     def write_out(self) -> None:
         """Write the buffer; on an error count exactly the event lines lost, raise."""
@@ -198,8 +207,10 @@ class JsonlFile:
             self.lines_written += written
             self._fail(e, lost)
             err = JsonlWriteError(
-                e.errno, f"JSONL writer failed: {e.strerror or e} writing {self.path}; "
-                f"{self.lines_lost} events lost so far, later events are not written")
+                e.errno,
+                f"JSONL writer failed: {e.strerror or e} writing {self.path}; "
+                f"{self.lines_lost} events lost so far, later events are not written",
+            )
             err.earlier_lost = lost
             raise err from e
         self.lines_written += n_lines
@@ -228,8 +239,10 @@ class JsonlFile:
         self.lines_lost_held += lost
         get_logger().error(
             "JSONL writer failed; it writes nothing more in this run",
-            path=str(self.path), error=f"{type(e).__name__}: {e}",
-            disk_full=e.errno in (errno.ENOSPC, errno.EDQUOT), events_lost=lost,
+            path=str(self.path),
+            error=f"{type(e).__name__}: {e}",
+            disk_full=e.errno in (errno.ENOSPC, errno.EDQUOT),
+            events_lost=lost,
         )
 
     # -- closing, forking ----------------------------------------------------------------------

@@ -36,8 +36,7 @@ def fields(ev: Event) -> dict[str, str]:  # noqa: PLR0911 - one per event type
     if isinstance(ev, Loss):
         return {"loss" if ev.split == "train" else f"{ev.split}_loss": fmt(ev.value)}
     if isinstance(ev, OptimizerStepped):
-        return {k: fmt(v) for k, v in (("lr", ev.lr), ("grad_norm", ev.grad_norm))
-                if v is not None}
+        return {k: fmt(v) for k, v in (("lr", ev.lr), ("grad_norm", ev.grad_norm)) if v is not None}
     if isinstance(ev, StepEnded) and ev.duration_s is not None:
         return {"time": f"{ev.duration_s * 1e3:.1f}ms"}
     if isinstance(ev, EvalEnded):
@@ -57,18 +56,27 @@ def fields(ev: Event) -> dict[str, str]:  # noqa: PLR0911 - one per event type
 def describe(ev: Event) -> str:  # noqa: PLR0911 - one per event type
     """One readable line for an event (replay output, tail, the console's notices)."""
     if isinstance(ev, DivergenceDetected):
-        return (f"DivergenceDetected at step {ev.step}: {ev.metric} {fmt(ev.value)} "
-                f"(baseline {fmt(ev.baseline)}) {ev.reason}")
+        return (
+            f"DivergenceDetected at step {ev.step}: {ev.metric} {fmt(ev.value)} "
+            f"(baseline {fmt(ev.baseline)}) {ev.reason}"
+        )
     if isinstance(ev, MemoryLeakSuspected):
-        return (f"MemoryLeakSuspected at step {ev.step}: {ev.metric} "
-                f"+{ev.rate_mb_per_step:.3g} MB/step over {ev.window} steps")
+        return (
+            f"MemoryLeakSuspected at step {ev.step}: {ev.metric} "
+            f"+{ev.rate_mb_per_step:.3g} MB/step over {ev.window} steps"
+        )
     if isinstance(ev, StopRequested):
-        return (f"{'abort' if ev.abort else 'stop'} requested at step {ev.step} by "
-                f"{ev.source}: {ev.reason}")
+        return (
+            f"{'abort' if ev.abort else 'stop'} requested at step {ev.step} by "
+            f"{ev.source}: {ev.reason}"
+        )
     if isinstance(ev, RunStarted):
         total = f", {ev.total_steps} steps" if ev.total_steps else ""
-        resumed = (f", resumed from step {ev.resumed_from_step}"
-                   if ev.resumed_from_step is not None else "")
+        resumed = (
+            f", resumed from step {ev.resumed_from_step}"
+            if ev.resumed_from_step is not None
+            else ""
+        )
         return f"run started{total}{resumed}"
     if isinstance(ev, RunEnded):
         return f"run {ev.status}" + (f": {ev.reason}" if ev.reason else "")

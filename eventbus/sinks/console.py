@@ -33,7 +33,12 @@ class ConsoleProgress:
     `total=`), the ETA; print detections and stop requests above the bar."""
 
     events: ClassVar[tuple[type[Event], ...]] = (
-        RunStarted, Loss, StepEnded, DivergenceDetected, MemoryLeakSuspected, StopRequested,
+        RunStarted,
+        Loss,
+        StepEnded,
+        DivergenceDetected,
+        MemoryLeakSuspected,
+        StopRequested,
         RunEnded,
     )
     policy: ClassVar[str] = "latest"
@@ -89,8 +94,10 @@ class ConsoleProgress:
                 case StepEnded():
                     self._at(ev.step)
                 case RunEnded():
-                    self._message(f"run {ev.status} at step {self._step}"
-                                  + (f": {ev.reason}" if ev.reason else ""))
+                    self._message(
+                        f"run {ev.status} at step {self._step}"
+                        + (f": {ev.reason}" if ev.reason else "")
+                    )
                 case _:
                     self._message(describe(ev))
         self._show()
@@ -134,8 +141,13 @@ class ConsoleProgress:
         bar = self._bar
         if bar is None:
             bar = self._bar = tqdm(
-                total=self.total, initial=self._initial, file=self.stream, unit="step",
-                desc=self.desc, mininterval=self.refresh_interval, dynamic_ncols=True,
+                total=self.total,
+                initial=self._initial,
+                file=self.stream,
+                unit="step",
+                desc=self.desc,
+                mininterval=self.refresh_interval,
+                dynamic_ncols=True,
                 leave=True,
             )
         if self.total is not None and bar.total != self.total:
@@ -172,8 +184,9 @@ class ConsoleProgress:
         if self._bar is not None:
             self._bar.write(text, file=self.stream)
         else:
-            self.stream.write(("\n" if self._step is not None and not self.use_tqdm else "")
-                              + text + "\n")
+            self.stream.write(
+                ("\n" if self._step is not None and not self.use_tqdm else "") + text + "\n"
+            )
             self.stream.flush()
 
 

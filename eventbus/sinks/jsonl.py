@@ -167,8 +167,7 @@ class JsonlWriter:
             try:
                 for ev in batch:
                     if self.truncate_on_resume and isinstance(ev, CheckpointLoaded | RunStarted):
-                        step = (ev.step if isinstance(ev, CheckpointLoaded)
-                                else ev.resumed_from_step)
+                        step = ev.step if isinstance(ev, CheckpointLoaded) else ev.resumed_from_step
                         if step is not None:
                             f.hold(lines, n)
                             lines.clear()
@@ -181,8 +180,11 @@ class JsonlWriter:
                         self._last_step = s
             finally:
                 f.hold(lines, n)
-            if (self.flush_interval == 0.0 or f.held_bytes >= self.buffer_bytes
-                    or time.monotonic() - f.last_write >= self.flush_interval):
+            if (
+                self.flush_interval == 0.0
+                or f.held_bytes >= self.buffer_bytes
+                or time.monotonic() - f.last_write >= self.flush_interval
+            ):
                 try:
                     f.write_out()
                 except JsonlWriteError as e:  # this batch is counted failed by the bus
@@ -198,16 +200,28 @@ class JsonlWriter:
         except Exception as e:  # EventEncodeError, or anything a user's value raised
             self._unserialisable += 1
             field = getattr(e, "field", None)
-            _warn("event not written: a field cannot be serialised", key=(t, "encode"),
-                  event_type=t.__name__, field=field, step=ev.step, error=str(e))
-            return self._skipped(ev, "unserialisable", field=field,
-                                 error=f"{type(e).__name__}: {e}"[:1000])
+            _warn(
+                "event not written: a field cannot be serialised",
+                key=(t, "encode"),
+                event_type=t.__name__,
+                field=field,
+                step=ev.step,
+                error=str(e),
+            )
+            return self._skipped(
+                ev, "unserialisable", field=field, error=f"{type(e).__name__}: {e}"[:1000]
+            )
         cap = self.max_line_bytes
         if len(line) > cap:
             self._oversize += 1
-            _warn("event not written: its line is over max_line_bytes",
-                  key=(t, "size"), event_type=t.__name__, step=ev.step,
-                  size=len(line), max_line_bytes=cap)
+            _warn(
+                "event not written: its line is over max_line_bytes",
+                key=(t, "size"),
+                event_type=t.__name__,
+                step=ev.step,
+                size=len(line),
+                max_line_bytes=cap,
+            )
             return self._skipped(ev, "oversize", size=len(line), limit=cap)
         return line
 
@@ -247,16 +261,23 @@ class JsonlWriter:
                 if f.error is not None:
                     get_logger().error(
                         "JSONL writer closed after a write failure: events were lost",
-                        path=str(f.path), error=str(f.error), lines_written=f.lines_written,
-                        lines_lost=f.lines_lost, lines_lost_held=f.lines_lost_held)
+                        path=str(f.path),
+                        error=str(f.error),
+                        lines_written=f.lines_written,
+                        lines_lost=f.lines_lost,
+                        lines_lost_held=f.lines_lost_held,
+                    )
 
     # -- checkpoints -----------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """The last step written and the file: `load_state_dict` on resume drops later lines."""
         with self._lock:
-            return {"step": self._last_step, "path": str(self.path),
-                    "lines": self._file.lines_written}
+            return {
+                "step": self._last_step,
+                "path": str(self.path),
+                "lines": self._file.lines_written,
+            }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at `state["step"]`: lines with a later step are removed (now, or at open)."""
@@ -276,11 +297,15 @@ class JsonlWriter:
         """This writer's own counters (lines, skipped events, lost lines, resume repairs)."""
         f = self._file
         return JsonlWriterStats(
-            path=str(f.path) if f.path else None, lines_written=f.lines_written,
-            bytes_written=f.bytes_written, skipped_oversize=self._oversize,
-            skipped_unserialisable=self._unserialisable, lines_lost=f.lines_lost,
+            path=str(f.path) if f.path else None,
+            lines_written=f.lines_written,
+            bytes_written=f.bytes_written,
+            skipped_oversize=self._oversize,
+            skipped_unserialisable=self._unserialisable,
+            lines_lost=f.lines_lost,
             lines_lost_held=f.lines_lost_held,
-            lines_truncated=f.lines_truncated, torn_lines_repaired=f.torn_lines_repaired,
+            lines_truncated=f.lines_truncated,
+            torn_lines_repaired=f.torn_lines_repaired,
             failed=str(f.error) if f.error else None,
         )
 
@@ -289,19 +314,28 @@ class JsonlWriter:
     def _open(self) -> None:
         if self._closed:
             raise RuntimeError("this JsonlWriter was closed; create a new one")
-        self._file.open(self._resolve(self.rank or 0, self.world_size or 1),
-                        truncate=self.overwrite and self._resume_from is None,
-                        resume_from=self._resume_from)
-        self._file.hold_record(header(
-            rank=self.rank or 0, world_size=self.world_size or 1, pid=os.getpid(),
-            host=socket.gethostname(), eventbus_version=__version__,
-            ts=time.time_ns(), resumed_from_step=self._resume_from,
-            max_line_bytes=self.max_line_bytes,
-        ))
+        self._file.open(
+            self._resolve(self.rank or 0, self.world_size or 1),
+            truncate=self.overwrite and self._resume_from is None,
+            resume_from=self._resume_from,
+        )
+        self._file.hold_record(
+            header(
+                rank=self.rank or 0,
+                world_size=self.world_size or 1,
+                pid=os.getpid(),
+                host=socket.gethostname(),
+                eventbus_version=__version__,
+                ts=time.time_ns(),
+                resumed_from_step=self._resume_from,
+                max_line_bytes=self.max_line_bytes,
+            )
+        )
         self._resume_from = None
         if self.flush_interval > 0 and self._timer is None:
-            self._timer = threading.Thread(target=self._tick, name="eventbus-jsonl-flush",
-                                           daemon=True)
+            self._timer = threading.Thread(
+                target=self._tick, name="eventbus-jsonl-flush", daemon=True
+            )
             self._timer.start()
         _WRITERS.append(self)
 
@@ -316,14 +350,25 @@ class JsonlWriter:
                 except RuntimeError:
                     continue
         writer = {k: v for k, v in dataclasses.asdict(self.stats()).items() if k != "path"}
-        self._file.hold_record(record(STATS_TYPE, ts=time.time_ns(), rank=self.rank or 0,
-                                      step=self._last_step, bus=bus_stats, writer=writer))
+        self._file.hold_record(
+            record(
+                STATS_TYPE,
+                ts=time.time_ns(),
+                rank=self.rank or 0,
+                step=self._last_step,
+                bus=bus_stats,
+                writer=writer,
+            )
+        )
         with contextlib.suppress(JsonlWriteError):
             self._file.write_out()
 
     def _skipped(self, ev: Event, reason: str, **info: Any) -> bytes:
-        stamps = {k: v if type(v) is int else None
-                  for k in ("step", "ts", "seq", "rank") for v in [getattr(ev, k, None)]}
+        stamps = {
+            k: v if type(v) is int else None
+            for k in ("step", "ts", "seq", "rank")
+            for v in [getattr(ev, k, None)]
+        }
         name = getattr(ev, "type_name", None) or type(ev).__name__
         return record(SKIPPED_TYPE, reason=reason, event_type=name, **stamps, **info)
 
@@ -338,8 +383,12 @@ class JsonlWriter:
         f = self._file
         while not self._timer_stop.wait(interval / 2):
             with self._lock:
-                if (f.held_bytes and f.error is None and not self._closed
-                        and time.monotonic() - f.last_write >= interval):
+                if (
+                    f.held_bytes
+                    and f.error is None
+                    and not self._closed
+                    and time.monotonic() - f.last_write >= interval
+                ):
                     try:
                         f.write_out()
                     except JsonlWriteError as e:  # no batch in hand: the next one raises it

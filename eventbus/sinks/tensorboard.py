@@ -46,8 +46,15 @@ from eventbus.sinks._files import check_writable_dir
 
 __all__ = ["TensorBoardSink"]
 
-_MEMORY_FIELDS = ("rss_mb", "rss_peak_mb", "allocated_mb", "reserved_mb", "peak_allocated_mb",
-                  "alloc_retries", "ooms")
+_MEMORY_FIELDS = (
+    "rss_mb",
+    "rss_peak_mb",
+    "allocated_mb",
+    "reserved_mb",
+    "peak_allocated_mb",
+    "alloc_retries",
+    "ooms",
+)
 _TENSOR_STATS = ("norm", "mean", "std", "absmax", "nan_count", "inf_count")
 Scalar = tuple[str, float, int]  # tag, value, step
 
@@ -84,6 +91,7 @@ class TensorBoardSink:
         # Imported here, on the constructing thread: a first `import torch` in our worker
         # thread would race the training thread's own use of a half-imported torch.
         import torch.utils.tensorboard  # noqa: F401
+
         if flush_secs <= 0:
             raise ValueError(f"flush_secs must be > 0 seconds, got {flush_secs!r}")
         if resume_from_step is not None and not isinstance(resume_from_step, int):
@@ -172,8 +180,12 @@ class TensorBoardSink:
 
             single = self.ranks is not None and len(self.ranks) == 1
             d = self.log_dir if single else self.log_dir / f"rank{rank}"
-            w = SummaryWriter(str(d), purge_step=self._purge_step, flush_secs=self.flush_secs,
-                              max_queue=self.max_queue)
+            w = SummaryWriter(
+                str(d),
+                purge_step=self._purge_step,
+                flush_secs=self.flush_secs,
+                max_queue=self.max_queue,
+            )
             self._writers[rank] = w
         return w
 
@@ -274,18 +286,30 @@ def _throughput(ev: StepEnded, step: int, step_end: dict[int, int], rank: int) -
 def _texts(ev: Event, step: int) -> Iterator[tuple[str, str]]:
     match ev:
         case RunStarted():
-            info = {"run_id": ev.run_id, "total_steps": ev.total_steps,
-                    "world_size": ev.world_size, "resumed_from_step": ev.resumed_from_step}
+            info = {
+                "run_id": ev.run_id,
+                "total_steps": ev.total_steps,
+                "world_size": ev.world_size,
+                "resumed_from_step": ev.resumed_from_step,
+            }
             yield "run/config", _code(ev.config)
             yield "run/info", _code({k: v for k, v in info.items() if v is not None})
         case DivergenceDetected():
-            yield "divergence/detected", (
-                f"**step {ev.step}**: {ev.metric} = {ev.value} (baseline {ev.baseline}): "
-                f"{ev.reason}")
+            yield (
+                "divergence/detected",
+                (
+                    f"**step {ev.step}**: {ev.metric} = {ev.value} (baseline {ev.baseline}): "
+                    f"{ev.reason}"
+                ),
+            )
         case MemoryLeakSuspected():
-            yield "memory/leak_suspected", (
-                f"**step {ev.step}**: {ev.metric} growing "
-                f"{ev.rate_mb_per_step:.3f} MB/step over {ev.window} steps")
+            yield (
+                "memory/leak_suspected",
+                (
+                    f"**step {ev.step}**: {ev.metric} growing "
+                    f"{ev.rate_mb_per_step:.3f} MB/step over {ev.window} steps"
+                ),
+            )
         case StopRequested():
             kind = "abort" if ev.abort else "stop"
             yield "run/stop", f"**{kind}** at step {step} by {ev.source}: {ev.reason}"
@@ -295,8 +319,9 @@ def _texts(ev: Event, step: int) -> Iterator[tuple[str, str]]:
 
 def _code(obj: Any) -> str:
     try:
-        body = orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS,
-                            default=str).decode()
+        body = orjson.dumps(
+            obj, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS, default=str
+        ).decode()
     except TypeError:
         body = repr(obj)
     return "```\n" + body + "\n```"
@@ -319,16 +344,26 @@ def _histogram(ev: TensorStats) -> tuple[str, Any] | None:
     c = [float(x) for x in _tolist(counts)]
     e = [float(x) for x in _tolist(edges)]
     if len(e) != len(c) + 1 or not c:
-        get_logger().warning("TensorStats.histogram ignored: need len(edges) == len(counts) + 1",
-                             name=ev.name, counts=len(c), edges=len(e))
+        get_logger().warning(
+            "TensorStats.histogram ignored: need len(edges) == len(counts) + 1",
+            name=ev.name,
+            counts=len(c),
+            edges=len(e),
+        )
         return None
     centers = [(a + b) / 2 for a, b in itertools.pairwise(e)]
-    return ("raw", {
-        "min": e[0], "max": e[-1], "num": sum(c),
-        "sum": sum(n * x for n, x in zip(c, centers, strict=True)),
-        "sum_squares": sum(n * x * x for n, x in zip(c, centers, strict=True)),
-        "bucket_limits": e[1:], "bucket_counts": c,
-    })
+    return (
+        "raw",
+        {
+            "min": e[0],
+            "max": e[-1],
+            "num": sum(c),
+            "sum": sum(n * x for n, x in zip(c, centers, strict=True)),
+            "sum_squares": sum(n * x * x for n, x in zip(c, centers, strict=True)),
+            "bucket_limits": e[1:],
+            "bucket_counts": c,
+        },
+    )
 
 
 def _seq(x: Any) -> bool:

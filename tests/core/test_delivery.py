@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from eventbus import Event, EventBus
-from eventbus.core.delivery import Delivery, State, SubscriberGone
+from eventbus.core.delivery import Delivery
+from eventbus.core.subscriber import State, SubscriberGone
 from eventbus.events import Loss
 from tests.conftest import Recorder
 

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from eventbus import Event, EventBus
-from eventbus.core.delivery import SubscriberGone
+from eventbus.core.subscriber import SubscriberGone
 from eventbus.events import Loss, Scalars, StopRequested
 from eventbus.process import ChildProcessDied, ChildProcessHung, ProcessSubscriber
 from tests.conftest import Recorder
