@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import time
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,14 +31,13 @@ from eventbus.events import (
     BackwardEnded,
     Event,
     ForwardEnded,
-    MemoryLeakSuspected,
     MemorySample,
     MemorySnapshotSaved,
     OptimizerStepped,
     StepEnded,
 )
 from eventbus.log import get_logger
-from eventbus.monitors._leak_rule import LeakRule, LeakVerdict
+from eventbus.monitors._memory_leaks import LeakWatch
 from eventbus.monitors._memory_read import (
     MB,
     CudaReader,
@@ -48,30 +46,13 @@ from eventbus.monitors._memory_read import (
     rss_bytes,
     rss_peak_bytes,
 )
+from eventbus.monitors._memory_samples import due, lag, phase_of, phase_sample, step_sample
 from eventbus.monitors._memory_summary import Reading, RunMemory
 from eventbus.monitors._oom_snapshots import UNAVAILABLE, OomSnapshots
 
 __all__ = ["MemoryProfiler"]
 
-_PHASES: dict[type[Event], str] = {
-    ForwardEnded: "forward",
-    BackwardEnded: "backward",
-    OptimizerStepped: "optimizer",
-}
 _START_WAIT_S = 2.0
-
-
-def _lag(ev: Event) -> float | None:
-    """Seconds between the event's publish (training thread) and now (our read)."""
-    return max(0.0, (time.time_ns() - ev.ts) / 1e9) if ev.ts is not None else None
-
-
-def _due(step: int, last: int | None, every: int) -> bool:
-    """Publish at multiples of `every`; a step that jumped past one (readings coalesced) is
-    due too, and so is any step after the steps went back (a resume)."""
-    if last is None or step < last:
-        return step % every == 0 or every == 1
-    return step // every > last // every
 
 
 class MemoryProfiler:
@@ -124,15 +105,12 @@ class MemoryProfiler:
         # thread's current device is always 0. is_initialized() is a Python flag.
         if device is None and cuda_initialized():
             self._device_arg = torch.cuda.current_device()
-        self._rules = {
-            m: LeakRule(
-                window=leak_window,
-                min_growth_mb=leak_min_growth_mb,
-                cooldown=leak_cooldown,
-                warmup=leak_warmup,
-            )
-            for m in ("rss_mb", "allocated_mb")
-        }
+        self._leak = LeakWatch(
+            window=leak_window,
+            min_growth_mb=leak_min_growth_mb,
+            cooldown=leak_cooldown,
+            warmup=leak_warmup,
+        )
         self._bus: BusHandle | None = None
         self._cuda: CudaReader | None = None
         self._oom: OomSnapshots | None = None  # with record_history and CUDA
@@ -144,7 +122,6 @@ class MemoryProfiler:
         self._last_published: int | None = None
         self._run = RunMemory()
         self._coalesced = 0
-        self._leaks: list[LeakVerdict] = []
         # Decided once, here, on the constructing (training) thread: its current device is the
         # one to watch, and history recording must run before the first step can OOM.
         self._decide_cuda()
@@ -189,9 +166,7 @@ class MemoryProfiler:
                 else:
                     self._coalesced += 1  # a later step is in this batch: read once, for it
             elif i == last_i:  # a phase read is only meaningful if nothing came after it
-                phase = _PHASES.get(cls) or next(
-                    (p for c, p in _PHASES.items() if issubclass(cls, c)), None
-                )
+                phase = phase_of(cls)
                 if phase is not None:
                     self._on_phase_end(ev, phase)
 
@@ -214,7 +189,7 @@ class MemoryProfiler:
         # Host-side allocator counters: no device sync (see _memory_read).
         cuda = self._cuda.read(reset_peak=self.reset_peak)
         if cuda is not None:
-            self._phase_peaks[phase] = (cuda.peak_allocated / MB, _lag(ev))
+            self._phase_peaks[phase] = (cuda.peak_allocated / MB, lag(ev))
 
     def _on_step_end(self, ev: Event) -> None:
         if ev.step is None:
@@ -223,7 +198,7 @@ class MemoryProfiler:
         phases, self._phase_peaks = self._phase_peaks, {}
         if r.peak_allocated is not None and phases:
             r.peak_allocated = max(r.peak_allocated, *(mb for mb, _ in phases.values()))
-        self._record(r, source="bus", lag_s=_lag(ev), phases=phases)
+        self._record(r, source="bus", lag_s=lag(ev), phases=phases)
 
     def _take_training(self, ev: MemorySample) -> None:
         """A snapshot taken on the training thread: the exact figures for its step."""
@@ -249,10 +224,10 @@ class MemoryProfiler:
         self._run.add(r)
         if r.ooms:
             self._maybe_dump_missed_oom(r.ooms)
-        if source is not None and _due(r.step, self._last_published, self.every):
+        if source is not None and due(r.step, self._last_published, self.every):
             self._last_published = r.step
             self._publish_sample(r, source=source, lag_s=lag_s, phases=phases)
-        self._check_leaks(r)
+        self._leak.check(r, self._publish)
 
     def _publish_sample(
         self,
@@ -266,55 +241,21 @@ class MemoryProfiler:
         peak_rss = self._run.peak_rss
         for phase, (mb, phase_lag) in phases.items():
             self._publish(
-                MemorySample(
-                    step=r.step,
-                    phase=phase,
-                    peak_allocated_mb=mb,
-                    device=self._device_name,
-                    source=source,
-                    lag_s=phase_lag,
+                phase_sample(
+                    r.step, phase, mb, device=self._device_name, source=source, lag_s=phase_lag
                 )
             )
         self._publish(
-            MemorySample(
-                step=r.step,
-                phase="step",
-                rss_mb=r.rss,
+            step_sample(
+                r,
                 rss_peak_mb=max(
                     r.rss, peak_rss[0] if peak_rss else 0.0, peak / MB if peak is not None else 0.0
                 ),
-                allocated_mb=r.allocated,
-                reserved_mb=r.reserved,
-                peak_allocated_mb=r.peak_allocated,
-                alloc_retries=r.alloc_retries,
-                ooms=r.ooms,
                 device=self._device_name,
                 source=source if self._cuda is not None else None,
                 lag_s=lag_s,
             )
         )
-
-    def _check_leaks(self, r: Reading) -> None:
-        for metric, value in (("rss_mb", r.rss), ("allocated_mb", r.allocated)):
-            if value is None:
-                continue
-            v = self._rules[metric].update(r.step, value)
-            if v is None:
-                continue
-            self._leaks.append(v)
-            get_logger().warning(
-                "memory grows steadily: leak suspected",
-                metric=metric,
-                step=v.step,
-                rate_mb_per_step=round(v.rate_mb_per_step, 3),
-                growth_mb=round(v.growth_mb, 1),
-                window=v.window,
-            )
-            self._publish(
-                MemoryLeakSuspected(
-                    step=v.step, rate_mb_per_step=v.rate_mb_per_step, window=v.window, metric=metric
-                )
-            )
 
     def _publish_summary(self) -> None:
         if self._run.last is None:
@@ -322,7 +263,7 @@ class MemoryProfiler:
         for ev in self._run.summary(
             device=self._device_name,
             hwm=rss_peak_bytes(),
-            leaks=len(self._leaks),
+            leaks=len(self._leak.verdicts),
             snapshots=len(self.snapshots),
         ):
             self._publish(ev)
@@ -354,31 +295,17 @@ class MemoryProfiler:
                 peak_mb = max(peak_mb, self._train_phase_peak)
             self._train_phase_peak = 0.0
             peak = rss_peak_bytes()
-            rss = rss_bytes() / MB
-            ev = MemorySample(
-                step=step,
-                phase="step",
-                rss_mb=rss,
-                rss_peak_mb=max(rss, peak / MB) if peak is not None else rss,
-                allocated_mb=cuda.allocated / MB if cuda else None,
-                reserved_mb=cuda.reserved / MB if cuda else None,
-                peak_allocated_mb=peak_mb,
-                alloc_retries=cuda.alloc_retries if cuda else None,
-                ooms=cuda.ooms if cuda else None,
-                device=self._device_name,
-                source="training",
-                lag_s=0.0,
+            r = Reading(step, rss_bytes() / MB, cuda)
+            r.peak_allocated = peak_mb
+            rss_peak_mb = max(r.rss, peak / MB) if peak is not None else r.rss
+            ev = step_sample(
+                r, rss_peak_mb=rss_peak_mb, device=self._device_name, source="training", lag_s=0.0
             )
         else:
             if peak_mb is not None:
                 self._train_phase_peak = max(self._train_phase_peak, peak_mb)
-            ev = MemorySample(
-                step=step,
-                phase=phase,
-                device=self._device_name,
-                peak_allocated_mb=peak_mb,
-                source="training",
-                lag_s=0.0,
+            ev = phase_sample(
+                step, phase, peak_mb, device=self._device_name, source="training", lag_s=0.0
             )
         bus.publish(ev)
         return ev
@@ -445,10 +372,8 @@ class MemoryProfiler:
 
     def state_dict(self) -> dict[str, Any]:
         """Leak-rule windows, so a resumed run keeps its evidence."""
-        return {"leak_rules": {m: r.state_dict() for m, r in self._rules.items()}}
+        return {"leak_rules": self._leak.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
-        for m, s in state.get("leak_rules", {}).items():
-            if m in self._rules:
-                self._rules[m].load_state_dict(s)
+        self._leak.load_state_dict(state.get("leak_rules", {}))

@@ -1,10 +1,11 @@
 """JsonlWriter: every event as one JSON line, written in batches from the bus side.
 
 Lossless by default (`policy = "block"`). Each batch the bus hands over becomes one
-`os.write` on an unbuffered, append-only descriptor (the file: `eventbus.sinks._jsonl_file`),
-so a `tail -f` sees lines within a drain interval. A write that fails (disk full, I/O error)
-marks the writer failed: it raises from `on_events` from then on, so the bus counts every
-event it could not keep, and after the bus's consecutive-failure limit the bus disables it.
+`os.write` on an unbuffered, append-only descriptor (the file: `eventbus.sinks._jsonl_file`;
+its lines: `eventbus.sinks._jsonl_records`), so a `tail -f` sees lines within a drain
+interval. A write that fails (disk full, I/O error) marks the writer failed: it raises from
+`on_events` from then on, so the bus counts every event it could not keep, and after the
+bus's consecutive-failure limit the bus disables it.
 Lines held by `flush_interval` and lost in a later write are counted exactly in `lines_lost`,
 carried by the next error raised (`JsonlWriteError.earlier_lost`) and reported at close.
 """
@@ -14,25 +15,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from eventbus.codec import encode
 from eventbus.core import BusHandle
 from eventbus.events import CheckpointLoaded, Event, RunStarted
-from eventbus.log import RateLimiter, get_logger
-from eventbus.logformat import SKIPPED_TYPE, STATS_TYPE, header, record
+from eventbus.log import get_logger
 from eventbus.sinks._files import check_writable_dir, check_writable_file
 from eventbus.sinks._jsonl_file import JsonlFile, JsonlWriteError
-from eventbus.version import __version__
+from eventbus.sinks._jsonl_records import LineEncoder, header_record, stats_record
 
 __all__ = ["JsonlWriteError", "JsonlWriter", "JsonlWriterStats"]
 
-_log_limit = RateLimiter(30.0)
 _WRITERS: list[JsonlWriter] = []  # for the fork hook; a writer removes itself at close
 
 
@@ -114,8 +111,7 @@ class JsonlWriter:
         self._closed = False
         self._timer: threading.Thread | None = None
         self._timer_stop = threading.Event()
-        self._oversize = 0  # events replaced by a marker: line over max_line_bytes
-        self._unserialisable = 0  # events replaced by a marker: a field JSON cannot hold
+        self._lines = LineEncoder()  # counts the events replaced by a marker line
         self._unreported = 0  # held lines lost in the timer thread, not yet raised to the bus
 
     # -- where ----------------------------------------------------------------------------
@@ -173,7 +169,7 @@ class JsonlWriter:
                             lines.clear()
                             n = 0
                             f.truncate_after(step)
-                    lines += self._line(ev)
+                    lines += self._lines.line(ev, self.max_line_bytes)
                     n += 1
                     s = ev.step
                     if type(s) is int and (self._last_step is None or s > self._last_step):
@@ -190,40 +186,6 @@ class JsonlWriter:
                 except JsonlWriteError as e:  # this batch is counted failed by the bus
                     e.earlier_lost = max(0, e.earlier_lost - len(batch))
                     raise
-
-    def _line(self, ev: Event) -> bytes:
-        """The line of `ev`, or a skipped marker naming why (a field that cannot be written,
-        a line over `max_line_bytes`)."""
-        t = type(ev)
-        try:
-            line = encode(ev)
-        except Exception as e:  # EventEncodeError, or anything a user's value raised
-            self._unserialisable += 1
-            field = getattr(e, "field", None)
-            _warn(
-                "event not written: a field cannot be serialised",
-                key=(t, "encode"),
-                event_type=t.__name__,
-                field=field,
-                step=ev.step,
-                error=str(e),
-            )
-            return self._skipped(
-                ev, "unserialisable", field=field, error=f"{type(e).__name__}: {e}"[:1000]
-            )
-        cap = self.max_line_bytes
-        if len(line) > cap:
-            self._oversize += 1
-            _warn(
-                "event not written: its line is over max_line_bytes",
-                key=(t, "size"),
-                event_type=t.__name__,
-                step=ev.step,
-                size=len(line),
-                max_line_bytes=cap,
-            )
-            return self._skipped(ev, "oversize", size=len(line), limit=cap)
-        return line
 
     def on_flush(self) -> None:
         """Write what is held (a `flush_interval` > 0 holds lines between writes)."""
@@ -300,8 +262,8 @@ class JsonlWriter:
             path=str(f.path) if f.path else None,
             lines_written=f.lines_written,
             bytes_written=f.bytes_written,
-            skipped_oversize=self._oversize,
-            skipped_unserialisable=self._unserialisable,
+            skipped_oversize=self._lines.oversize,
+            skipped_unserialisable=self._lines.unserialisable,
             lines_lost=f.lines_lost,
             lines_lost_held=f.lines_lost_held,
             lines_truncated=f.lines_truncated,
@@ -320,13 +282,9 @@ class JsonlWriter:
             resume_from=self._resume_from,
         )
         self._file.hold_record(
-            header(
+            header_record(
                 rank=self.rank or 0,
                 world_size=self.world_size or 1,
-                pid=os.getpid(),
-                host=socket.gethostname(),
-                eventbus_version=__version__,
-                ts=time.time_ns(),
                 resumed_from_step=self._resume_from,
                 max_line_bytes=self.max_line_bytes,
             )
@@ -340,37 +298,12 @@ class JsonlWriter:
         _WRITERS.append(self)
 
     def _append_stats(self) -> None:
-        bus_stats: dict[str, Any] | None = None
-        read = getattr(self._bus, "stats", None)  # the live bus and replay have counters
-        if callable(read):
-            for _ in range(3):  # other subscribers may still be closing: retry a racy read
-                try:
-                    bus_stats = read().as_dict()
-                    break
-                except RuntimeError:
-                    continue
         writer = {k: v for k, v in dataclasses.asdict(self.stats()).items() if k != "path"}
         self._file.hold_record(
-            record(
-                STATS_TYPE,
-                ts=time.time_ns(),
-                rank=self.rank or 0,
-                step=self._last_step,
-                bus=bus_stats,
-                writer=writer,
-            )
+            stats_record(self._bus, rank=self.rank or 0, step=self._last_step, writer=writer)
         )
         with contextlib.suppress(JsonlWriteError):
             self._file.write_out()
-
-    def _skipped(self, ev: Event, reason: str, **info: Any) -> bytes:
-        stamps = {
-            k: v if type(v) is int else None
-            for k in ("step", "ts", "seq", "rank")
-            for v in [getattr(ev, k, None)]
-        }
-        name = getattr(ev, "type_name", None) or type(ev).__name__
-        return record(SKIPPED_TYPE, reason=reason, event_type=name, **stamps, **info)
 
     def _close_file(self) -> None:
         self._file.close()
@@ -397,12 +330,6 @@ class JsonlWriter:
     def _forked(self) -> None:
         self._file.forget_held()
         self._lock = threading.RLock()
-
-
-def _warn(msg: str, *, key: Any, **kw: Any) -> None:
-    ok, held = _log_limit.allow(key)
-    if ok:
-        get_logger().warning(msg, suppressed_since_last=held, **kw)
 
 
 def _after_fork_in_child() -> None:
