@@ -19,11 +19,10 @@ from collections.abc import Callable, Hashable, Iterable
 from types import TracebackType
 from typing import Any, TypeVar
 
-import anyio
-
 from eventbus.agreement import StopAgreement
 from eventbus.capture import capture_event
 from eventbus.control import Control
+from eventbus.core.checkpoint import load_states, states
 from eventbus.core.delivery import Delivery
 from eventbus.core.fork import call_after_fork
 from eventbus.core.inbox import BIG, Attach, Boxed, Detach, Flush, Inbox, InboxMode
@@ -51,11 +50,10 @@ class EventBus:
 
     Use `with EventBus() as bus:` (or `start()` / `close()`). `drain_interval`: how often the
     bus thread wakes to route (each wake costs the loop a GIL hand-over). The inbox is bounded
-    in events (`inbox_maxsize`) and bytes (`inbox_max_bytes`, events of 1 KiB or more);
-    `queue_max_bytes` bounds each subscriber's queue likewise. `hang_timeout`: a lossless
-    subscriber stuck in one call this long while its full queue holds the bus up is disabled
-    (None: wait forever). `handle_signals`: drain on SIGTERM (as torchrun and SLURM send
-    before a kill), then run the handler that was there.
+    in events (`inbox_maxsize`) and bytes (`inbox_max_bytes`, events of 1 KiB or more), each
+    queue in bytes (`queue_max_bytes`). `hang_timeout`: a lossless subscriber stuck in one call
+    this long while its full queue holds the bus up is disabled (None: wait forever).
+    `handle_signals`: drain on SIGTERM, then run the handler that was there.
     """
 
     def __init__(
@@ -80,10 +78,8 @@ class EventBus:
             positive("hang_timeout", hang_timeout, float)
         positive("inbox_max_bytes", inbox_max_bytes, int)
         positive("queue_max_bytes", queue_max_bytes, int)
-        if not isinstance(inbox_maxsize, int) or inbox_maxsize < 2:
-            raise ValueError(f"inbox_maxsize must be an int >= 2, got {inbox_maxsize!r}")
-        if not isinstance(stop_check_every, int) or stop_check_every < 1:
-            raise ValueError(f"stop_check_every must be an int >= 1, got {stop_check_every!r}")
+        positive("inbox_maxsize", inbox_maxsize, int, least=2)
+        positive("stop_check_every", stop_check_every, int)
         info = rank_info()
         self.rank = info.rank if rank is None else rank
         self.local_rank = info.local_rank
@@ -97,22 +93,20 @@ class EventBus:
         self.control = Control(self.publish)
         if self.world_size > 1:  # should_stop agreed by all ranks (one small all_reduce)
             self.control.agree = StopAgreement(self.control, every=stop_check_every)
-        self._inbox = Inbox(
-            inbox_maxsize,
-            inbox_max_bytes,
-            waits=self._lossless,
-            drop=self._count_drop,
-            loop_thread=self._loop_thread,
-        )
         self._loop = BusLoop(
-            self._inbox, self, name=name, interval=drain_interval, hang_timeout=hang_timeout
+            Inbox(inbox_maxsize, inbox_max_bytes),
+            self,
+            name=name,
+            interval=drain_interval,
+            hang_timeout=hang_timeout,
         )
+        self._inbox = self._loop.inbox
         self._seq = itertools.count()
         self._state = _NEW
         self._lifecycle = threading.RLock()
         self._deliveries: list[Delivery] = []  # every subscription made, for stats and names
         self._names: set[str] = set()
-        self._signals = SignalDrain(self.close)
+        self._signals = SignalDrain(self.close, lambda: self.close_timeout)
         self._exit_hook = False
         call_after_fork(self._forked)
 
@@ -175,15 +169,7 @@ class EventBus:
 
     async def apublish(self, ev: Event) -> None:
         """`publish` for async code: waits without blocking the caller's event loop."""
-        inbox = self._inbox
-        while (
-            inbox.full()
-            and self._lossless()
-            and inbox.mode == InboxMode.LIVE
-            and not inbox.on_bus_side()
-        ):
-            inbox.wake()
-            await anyio.sleep(0.001)
+        await self._inbox.wait_for_room()
         self.publish(ev)
 
     def step(self, step: int, *, samples: Any = None, tokens: Any = None) -> StepScope:
@@ -193,16 +179,6 @@ class EventBus:
     def phase(self, name: str, *, step: int | None = None, **fields: Any) -> PhaseScope:
         """`with bus.phase("forward" | "backward" | "optimizer")`: its *Ended event at the end."""
         return PhaseScope(self, name, step, **fields)
-
-    def _lossless(self) -> bool:
-        router = self._loop.router
-        return router.lossless > 0 or bool(router.pending_lossless)
-
-    def _loop_thread(self) -> int | None:
-        return self._loop.thread_id
-
-    def _count_drop(self, ev: Event) -> None:
-        self._loop.router.count_drop(ev)
 
     # -- subscribing -----------------------------------------------------------------
 
@@ -396,8 +372,6 @@ class EventBus:
         """A snapshot of every counter: bus-wide and per subscriber."""
         return self._loop.stats(self._deliveries)
 
-    # -- subscriber state (checkpoints) --------------------------------------------------
-
     def state_dict(self) -> dict[str, Any]:
         """Each subscriber's `state_dict()`, by name, after a flush (for checkpoints)."""
         if self._state == _FORKED:
@@ -406,11 +380,7 @@ class EventBus:
                 "subscribers live in the parent process; call it there"
             )
         self.flush()
-        return {
-            d.name: d.sub.state_dict()
-            for d in self._deliveries
-            if callable(getattr(d.sub, "state_dict", None))
-        }
+        return states(self._deliveries)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Hand each subscriber its part of a `state_dict()` (by name)."""
@@ -418,14 +388,7 @@ class EventBus:
             raise RuntimeError("load_state_dict() in a forked child: call it in the parent")
         if self._state == _RUNNING:
             self.flush()
-        known = {d.name: d for d in self._deliveries}
-        for name, part in state.items():
-            d = known.get(name)
-            if d is None:
-                raise KeyError(f"no subscriber named {name!r} on this bus; have {sorted(known)}")
-            d.sub.load_state_dict(part)
-
-    # -- fork ------------------------------------------------------------------------
+        load_states(self._deliveries, state)
 
     def _forked(self) -> None:
         """In a forked child (DataLoader worker): no thread, no sinks; every call returns."""

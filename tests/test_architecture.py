@@ -50,6 +50,8 @@ LAYERS: dict[str, str] = {
     # the delivery engine and what it stands on
     "eventbus.core": CORE,
     "eventbus.core.delivery": CORE,
+    "eventbus.core.checkpoint": CORE,
+    "eventbus.core.markers": CORE,
     "eventbus.core.fork": CORE,
     "eventbus.core.handle": CORE,
     "eventbus.core.inbox": CORE,

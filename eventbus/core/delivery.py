@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Iterable
 from typing import Any
 
+from eventbus.core.markers import Markers
 from eventbus.core.queue import SubscriberQueue
 from eventbus.core.subscriber import State, SubscriberGone, takes_argument
 from eventbus.core.worker import ThreadWorker
@@ -40,16 +41,6 @@ def _own_cancellation(e: BaseException) -> bool:
         return False
     task = asyncio.current_task()
     return task is None or task.cancelling() > 0
-
-
-class _Marker:
-    """Done once the subscriber handled every event routed to it before the marker."""
-
-    __slots__ = ("callback", "target")
-
-    def __init__(self, target: int, callback: Callable[[], None]) -> None:
-        self.target = target
-        self.callback = callback
 
 
 class Delivery:
@@ -100,7 +91,7 @@ class Delivery:
         self.busy_since: float | None = None
         self.busy_with: str | None = None
         self.latencies: deque[float] = deque(maxlen=1024)
-        self._markers: list[_Marker] = []
+        self._markers = Markers()
 
     @property
     def lossless(self) -> bool:
@@ -146,12 +137,9 @@ class Delivery:
 
     def add_marker(self, callback: Callable[[], None]) -> None:
         """Call `callback` once everything routed to this subscriber so far was handled."""
-        m = _Marker(self.routed, callback)
-        if self._processed() >= m.target and self.busy_since is None:
-            callback()
-            return
-        self._markers.append(m)
-        if self.queue is not None:
+        idle = self.busy_since is None
+        now = self._markers.add(self.routed, callback, done=self._processed(), idle=idle)
+        if not now and self.queue is not None:
             self.queue.poke()
 
     def _processed(self) -> int:
@@ -159,9 +147,7 @@ class Delivery:
         return self.delivered + self.failed + dropped
 
     def _check_markers(self) -> None:
-        done = self._processed()
-        while self._markers and self._markers[0].target <= done:
-            self._markers.pop(0).callback()
+        self._markers.check(self._processed())
 
     def abandon(self) -> int:
         """The bus gives up on it: drop what is queued (counted lost); returns how many."""
@@ -176,10 +162,13 @@ class Delivery:
         if self.busy_since is not None:
             self.state = State.HUNG
         self.worker.stop()
-        for m in self._markers:  # a flush waiting on it must not wait forever
-            m.callback()
-        self._markers.clear()
+        self._markers.release()  # a flush waiting on it must not wait forever
         return n
+
+    def release(self) -> None:
+        """Removed and closed: the bus keeps its counters, not the subscriber object."""
+        self.sub = None
+        self.worker.stop()
 
     # -- calling the subscriber -------------------------------------------------------------
 
@@ -201,14 +190,15 @@ class Delivery:
             self.in_flight = 0
 
     async def _call_batch(self, batch: list[Event]) -> BaseException | None:
+        n, first = len(batch), batch[0]  # read before: the subscriber may change its list
         try:
             await self._call(self.sub.on_events, batch)
         except BaseException as e:
             if _own_cancellation(e):
                 raise
-            self._failed(e, batch[0], len(batch))
+            self._failed(e, first, n)
             return e
-        self._ok(len(batch))
+        self._ok(n)
         return None
 
     async def _call_each(self, batch: list[Event]) -> BaseException | None:
@@ -227,13 +217,16 @@ class Delivery:
                     results.append((ev, None))
         else:
             results = await self.worker.call(_call_each, self.sub, batch)
-        for ev, result in results:
+        for i, (ev, result) in enumerate(results):
             outcome = result
             if isinstance(result, Awaitable):  # `lambda ev: coro(ev)`: run what it returned
                 try:
                     await self._call_async(_awaited, result)
                 except BaseException as e:
                     if _own_cancellation(e):
+                        for _, rest in results[i + 1 :]:  # abandoned: close, never half-run
+                            if inspect.iscoroutine(rest):
+                                rest.close()
                         raise
                     outcome = e
                 else:

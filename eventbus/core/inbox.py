@@ -20,6 +20,8 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
+import anyio
+
 from eventbus.core.worker import worker_name, worker_owner
 from eventbus.events import Event
 from eventbus.log import RateLimiter, get_logger
@@ -100,16 +102,21 @@ class Inbox:
         maxsize: int,
         max_bytes: int,
         *,
-        waits: Callable[[], bool],
-        drop: Callable[[Event], None],
-        loop_thread: Callable[[], int | None],
+        waits: Callable[[], bool] = lambda: False,
+        drop: Callable[[Event], None] = lambda ev: None,
+        loop_thread: Callable[[], int | None] = lambda: None,
     ) -> None:
         self.maxsize = maxsize
         self.max_bytes = max_bytes
         self._mode = InboxMode.NEW
         self.fast_limit = 0  # publishers may append directly while fewer items wait
         self.items: deque[Any] = deque()
-        self.nbytes = 0  # bytes of the big events waiting (see BIG)
+        # Bytes of the big events waiting (see BIG): what publishers added (under _lock) less
+        # what the loop took off (its own counter, no lock). The loop never takes a lock a
+        # publisher may hold: a SIGTERM handler closing the bus on a publisher's thread
+        # would otherwise wait for itself.
+        self._added_bytes = 0
+        self._taken_bytes = 0
         self.high_water = 0
         self.blocked_ns = 0  # publishers' time waiting for room (backpressure)
         self.wakeups = 0
@@ -130,6 +137,11 @@ class Inbox:
 
     def __len__(self) -> int:
         return len(self.items)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the big events waiting now."""
+        return self._added_bytes - self._taken_bytes
 
     @property
     def mode(self) -> str:
@@ -166,7 +178,27 @@ class Inbox:
         n = box.nbytes  # read first: the router may take (and unbox) it at once
         if self.put(box) and n:
             with self._lock:
-                self.nbytes += n
+                self._added_bytes += n
+
+    def connect(
+        self,
+        *,
+        waits: Callable[[], bool],
+        drop: Callable[[Event], None],
+        loop_thread: Callable[[], int | None],
+    ) -> None:
+        """Who answers the inbox's questions: whether to wait when full (a lossless subscriber
+        is attached), whom a dropped event was for, which thread is the loop's."""
+        self._waits, self._drop, self._loop_thread = waits, drop, loop_thread
+
+    async def wait_for_room(self) -> None:
+        """For async publishers: wait (without blocking their loop) while a full inbox would
+        make `put` wait."""
+        while self.full() and self._waits() and self.mode == InboxMode.LIVE:
+            if self.on_bus_side():
+                return
+            self._wake()
+            await anyio.sleep(0.001)
 
     def put_control(self, item: Any) -> None:
         """Queue a control item (never refused, never waits) and wake the loop."""
@@ -299,9 +331,7 @@ class Inbox:
     def unbox(self, box: Boxed) -> int:
         """A boxed event left the inbox: its bytes no longer count (once). Returns them."""
         n, box.nbytes = box.nbytes, 0
-        if n:
-            with self._lock:
-                self.nbytes -= n
+        self._taken_bytes += n  # one writer: the loop (or the closer, once the loop is done)
         return n
 
     def begin_close(self) -> None:
@@ -323,7 +353,7 @@ class Inbox:
     def reset_after_fork(self) -> None:
         """In a forked child: nothing from the parent's inbox, and every call returns at once."""
         self.items = deque()
-        self.nbytes = 0
+        self._added_bytes = self._taken_bytes = 0
         self.rejected = 0
         self._lock = threading.Lock()
         self._space = threading.Event()

@@ -59,6 +59,11 @@ class BusLoop:
             poll_max=interval,
             hang_timeout=hang_timeout,
         )
+        inbox.connect(
+            waits=self.router.waits,
+            drop=self.router.count_drop,
+            loop_thread=lambda: self.thread_id,
+        )
         self.thread: threading.Thread | None = None
         self.thread_id: int | None = None
         self.error: BaseException | None = None  # what ended the loop, if not a close
@@ -257,6 +262,8 @@ class BusLoop:
             publisher.set(d.name)
             try:
                 await self._close_one(d, self._deadline if self._closing else math.inf)
+                if d.state is State.CLOSED:
+                    d.release()  # a subscribe/remove per evaluation must not pile up objects
             finally:
                 self._retiring.discard(d)
 

@@ -124,7 +124,7 @@ class SubscriberQueue:
     def _put_latest(self, ev: Event, nbytes: int) -> bool:
         try:
             k = self.key(ev)
-        except Exception as e:  # the user's key function: this event is dropped, counted
+        except BaseException as e:  # the user's key function: this event is dropped, counted
             self.dropped += 1
             ok, held = _key_log.allow(type(e))
             if ok:

@@ -70,6 +70,11 @@ class Router:
                 self._routes[cls] = t
         return t
 
+    def waits(self) -> bool:
+        """Whether a publisher meeting a full inbox waits: a lossless subscriber is attached
+        or on its way (subscribed, its attach still queued)."""
+        return self.lossless > 0 or bool(self.pending_lossless)
+
     def count_drop(self, ev: Event) -> None:
         """An event dropped at the inbox (publisher's thread): counted for every subscriber
         that would have had it."""

@@ -22,8 +22,9 @@ SIGNALS = (signal.SIGTERM,)
 class SignalDrain:
     """Installs `close` as the SIGTERM handler, chaining the one it replaces."""
 
-    def __init__(self, close: Callable[[], Any]) -> None:
+    def __init__(self, close: Callable[[], Any], timeout: Callable[[], float]) -> None:
         self._close = close
+        self._timeout = timeout  # how long the drain may take (the bus's close_timeout)
         self._prev: dict[int, Any] = {}
         self._restored = False  # closed: a handler still in someone's chain only passes on
 
@@ -55,7 +56,12 @@ class SignalDrain:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         prev = self._prev.get(signum, signal.SIG_DFL)
-        self._close()  # drains lossless subscribers, then restores the previous handler
+        # Drain on a thread of its own: the code this handler interrupted may hold a lock the
+        # close path needs; waiting here with a deadline, the process ends either way.
+        closer = threading.Thread(target=self._close, name="eventbus-sigterm", daemon=True)
+        closer.start()
+        closer.join(self._timeout() + 5.0)
+        self.restore()
         if callable(prev):
             prev(signum, frame)
         elif prev != signal.SIG_IGN:

@@ -138,12 +138,15 @@ def subscribe_options(
     )
 
 
-def positive(name: str, value: Any, kind: type) -> None:
-    """Raise a clear ValueError unless `value` is a positive `kind` (int, or any number)."""
+def positive(name: str, value: Any, kind: type, *, least: int | None = None) -> None:
+    """Raise a clear ValueError unless `value` is a positive `kind` (int, or any number),
+    or, with `least`, one at least that big."""
     if (
         isinstance(value, bool)
         or not isinstance(value, int | float)
-        or value <= 0
+        or (value <= 0 if least is None else value < least)
         or (kind is int and not isinstance(value, int))
     ):
-        raise ValueError(f"{name} must be a positive {kind.__name__}, got {value!r}")
+        what = "a positive" if least is None else f"{'an' if kind is int else 'a'}"
+        bound = "" if least is None else f" >= {least}"
+        raise ValueError(f"{name} must be {what} {kind.__name__}{bound}, got {value!r}")
