@@ -32,8 +32,7 @@ demo: $(STAMP)
 
 test: $(STAMP) $(MIN_STAMP)
 	$(VENV)/bin/ruff check eventbus tests benchmarks examples
-# Issue 12: uncomment once `ruff format eventbus tests benchmarks examples` has been applied.
-#	$(VENV)/bin/ruff format --check eventbus tests benchmarks examples
+	$(VENV)/bin/ruff format --check eventbus tests benchmarks examples
 	$(VENV)/bin/mypy eventbus
 	$(MYPY_MIN)
 	$(PY) -m pytest -q -m "not soak"

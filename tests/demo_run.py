@@ -21,8 +21,13 @@ from eventbus.sinks import JsonlWriter
 
 
 def record_demo_run(
-    directory: Path, *, steps: int = 60, blow_up_at: int | None = 40, rank: int = 0,
-    world_size: int = 1, mark_divergence: bool = False,
+    directory: Path,
+    *,
+    steps: int = 60,
+    blow_up_at: int | None = 40,
+    rank: int = 0,
+    world_size: int = 1,
+    mark_divergence: bool = False,
 ) -> Path:
     """Train a tiny regression with SGD; at `blow_up_at` the lr jumps x1e4 so the loss
     diverges (inf, then NaN). Returns the JSONL file written."""
@@ -35,8 +40,11 @@ def record_demo_run(
     bus = EventBus(rank=rank, world_size=world_size, drain_interval=0.002)
     bus.subscribe(writer)
     with bus:
-        bus.publish(RunStarted(config={"lr": 0.05, "model": "linear"}, total_steps=steps,
-                               world_size=world_size))
+        bus.publish(
+            RunStarted(
+                config={"lr": 0.05, "model": "linear"}, total_steps=steps, world_size=world_size
+            )
+        )
         for step in range(1, steps + 1):
             if blow_up_at is not None and step == blow_up_at:
                 for g in opt.param_groups:
@@ -51,7 +59,10 @@ def record_demo_run(
             bus.publish(StepEnded(step=step, duration_s=0.01 + 0.001 * (step % 3), samples=256))
             bus.publish(MemorySample(step=step, rss_mb=100.0 + step, phase="step"))
             if mark_divergence and blow_up_at is not None and step == blow_up_at + 1:
-                bus.publish(DivergenceDetected(step=step, metric="loss", value=float(loss),
-                                               baseline=1.0, reason="recorded"))
+                bus.publish(
+                    DivergenceDetected(
+                        step=step, metric="loss", value=float(loss), baseline=1.0, reason="recorded"
+                    )
+                )
         bus.publish(RunEnded(status="completed"))
     return writer.path

@@ -52,6 +52,7 @@ def test_interleaving_rotates_the_order() -> None:
         def fn(block: int) -> list[float]:
             order.append(name)
             return [1.0]
+
         return fn
 
     out = interleave_blocks({"a": variant("a"), "b": variant("b")}, blocks=2)
@@ -59,8 +60,7 @@ def test_interleaving_rotates_the_order() -> None:
     assert out == {"a": [[1.0], [1.0]], "b": [[1.0], [1.0]]}
     assert blockwise_inflation([[2.0], [2.0]], [[1.0], [1.0]]) == pytest.approx(1.0)
 
-    calls = interleave_calls({"x": (lambda n: list(range(n)), lambda a: None)}, rounds=2,
-                             calls=10)
+    calls = interleave_calls({"x": (lambda n: list(range(n)), lambda a: None)}, rounds=2, calls=10)
     assert len(calls["x"]) == 20
     assert all(v >= 0 for v in calls["x"])
 
@@ -77,12 +77,29 @@ def test_machine_and_versions_describe_this_run() -> None:
 
 def test_overhead_tiny_run_has_every_contender() -> None:
     out = overhead.run(rounds=1, calls=50)
-    for key in ("eventbus_publish", "eventbus_publish_1sub", "eventbus_publish_tensor",
-                "sync_list_4", "blinker_4", "hf_callbackhandler_4", "lightning_hooks_4"):
+    for key in (
+        "eventbus_publish",
+        "eventbus_publish_1sub",
+        "eventbus_publish_tensor",
+        "sync_list_4",
+        "blinker_4",
+        "hf_callbackhandler_4",
+        "lightning_hooks_4",
+    ):
         assert out[f"overhead.{key}_p50_ns"] <= out[f"overhead.{key}_p99_ns"]
-    _positive_numbers(out, [f"overhead.{k}_p50_ns" for k in (
-        "eventbus_publish", "hf_callbackhandler_4", "lightning_hooks_4", "blinker_4",
-        "sync_list_4")])
+    _positive_numbers(
+        out,
+        [
+            f"overhead.{k}_p50_ns"
+            for k in (
+                "eventbus_publish",
+                "hf_callbackhandler_4",
+                "lightning_hooks_4",
+                "blinker_4",
+                "sync_list_4",
+            )
+        ],
+    )
     assert out["overhead.eventbus_published"] == 150  # 3 publishing contenders x 50 on bus4
     assert out["overhead.eventbus_fast_delivered"] == 3 * 150  # nothing lost to fast ones
 
@@ -116,18 +133,28 @@ def test_wakeups_tiny_run() -> None:
     assert out["wakeups.forced_wakeups"] >= 0
 
 
-def test_main_writes_the_required_keys_and_keeps_other_doc_sections(tmp_path: Path,
-                                                                   monkeypatch: Any) -> None:
+def test_main_writes_the_required_keys_and_keeps_other_doc_sections(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
     monkeypatch.setattr(throughput, "run", lambda quick=False: throughput.measure(2000))
     doc = tmp_path / "performance.md"
-    doc.write_text(f"# Performance\n\n{bench_main.START}\nold\n{bench_main.END}\n\n"
-                   "## Tensor capture\n\nkept\n")
+    doc.write_text(
+        f"# Performance\n\n{bench_main.START}\nold\n{bench_main.END}\n\n## Tensor capture\n\nkept\n"
+    )
     out = tmp_path / "r.json"
     assert bench_main.main(["--only", "throughput", "--json", str(out), "--doc", str(doc)]) == 0
     r = json.loads(out.read_text())
-    for k in ("throughput.events", "throughput.events_per_s", "throughput.lost",
-              "throughput.rss_peak_mb", "gil.none_p50_ms", "gil.in_thread_p50_ms",
-              "gil.process_p50_ms", "machine", "versions"):
+    for k in (
+        "throughput.events",
+        "throughput.events_per_s",
+        "throughput.lost",
+        "throughput.rss_peak_mb",
+        "gil.none_p50_ms",
+        "gil.in_thread_p50_ms",
+        "gil.process_p50_ms",
+        "machine",
+        "versions",
+    ):
         assert k in r, k
     assert r["throughput.lost"] == 0
     assert r["targets.throughput_lost_eq_0.met"] is True
@@ -158,6 +185,13 @@ def test_table_shows_misses_and_missing_values() -> None:
 def test_subscriber_costs_names_every_subscriber_of_b() -> None:
     out = stall.subscriber_costs(steps=3)
     names = {k.rsplit(".", 1)[1] for k in out}
-    assert names == {"bare_bus", "jsonl", "tensorboard", "divergence", "memory", "speed",
-                     "sleeper_50ms"}
+    assert names == {
+        "bare_bus",
+        "jsonl",
+        "tensorboard",
+        "divergence",
+        "memory",
+        "speed",
+        "sleeper_50ms",
+    }
     assert all(v >= 0 for v in out.values())

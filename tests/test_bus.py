@@ -94,8 +94,9 @@ def test_latest_keeps_newest_per_key() -> None:
         seen.append(ev)
 
     bus = EventBus()
-    bus.subscribe(slow, policy="latest", maxsize=10, key=lambda ev: ev.values["k"],
-                  events=[Scalars])
+    bus.subscribe(
+        slow, policy="latest", maxsize=10, key=lambda ev: ev.values["k"], events=[Scalars]
+    )
     with bus:
         bus.publish(Scalars(step=0, values={"k": "blocker"}))
         bus.flush(0.3)  # the subscriber now holds "blocker" and waits on the gate
@@ -105,8 +106,11 @@ def test_latest_keeps_newest_per_key() -> None:
         gate.set()
     rest = seen[1:]
     assert sorted(ev.values["k"] for ev in rest) == ["key0", "key1", "key2"]
-    assert {ev.values["k"]: ev.values["i"] for ev in rest} == {"key0": 300, "key1": 298,
-                                                                "key2": 299}
+    assert {ev.values["k"]: ev.values["i"] for ev in rest} == {
+        "key0": 300,
+        "key1": 298,
+        "key2": 299,
+    }
 
 
 def test_raising_subscriber_is_isolated_and_counted() -> None:
@@ -514,7 +518,12 @@ def test_republishing_a_copy_is_fine(bus: EventBus, recorder: Recorder) -> None:
 
 
 def test_bad_bus_options_are_clear_errors() -> None:
-    for kw in ({"drain_interval": 0}, {"close_timeout": -1}, {"inbox_max_bytes": 0},
-               {"queue_max_bytes": 1.5}, {"inbox_maxsize": "big"}):
+    for kw in (
+        {"drain_interval": 0},
+        {"close_timeout": -1},
+        {"inbox_max_bytes": 0},
+        {"queue_max_bytes": 1.5},
+        {"inbox_maxsize": "big"},
+    ):
         with pytest.raises(ValueError, match=next(iter(kw))):
             EventBus(**kw)  # type: ignore[arg-type]

@@ -27,8 +27,20 @@ from eventbus.events import Loss, OptimizerStepped, Scalars, StepEnded
 from tests.conftest import Recorder
 
 # What reads a tensor's value on the host: on a CUDA tensor each one is a device sync.
-HOST_READS = frozenset({"item", "tolist", "numpy", "cpu", "__float__", "__int__", "__bool__",
-                        "__index__", "__complex__", "__array__"})
+HOST_READS = frozenset(
+    {
+        "item",
+        "tolist",
+        "numpy",
+        "cpu",
+        "__float__",
+        "__int__",
+        "__bool__",
+        "__index__",
+        "__complex__",
+        "__array__",
+    }
+)
 
 
 def _name(func: Any) -> str:
@@ -43,8 +55,7 @@ class ReadRecorder(TorchFunctionMode):
         self.reads: list[tuple[str, int]] = []
         self.calls: list[str] = []
 
-    def __torch_function__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = _name(func)
         self.calls.append(name)
         if name in HOST_READS:
@@ -58,8 +69,7 @@ class Spy(torch.Tensor):
     reads: ClassVar[list[tuple[str, int]]] = []
 
     @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if _name(func) in HOST_READS:
             cls.reads.append((_name(func), threading.get_ident()))
         return super().__torch_function__(func, types, args, kwargs or {})
@@ -76,6 +86,7 @@ def patched_reads() -> Iterator[list[tuple[str, int]]]:
         def wrapper(self: Any, *a: Any, **k: Any) -> Any:
             reads.append((name, threading.get_ident()))
             return real(self, *a, **k)
+
         return wrapper
 
     for n in HOST_READS:
@@ -146,12 +157,12 @@ def test_the_recorder_sees_every_kind_of_host_read() -> None:
         t.numpy()
         t.cpu()
         int(t)
-    assert [n for n, _ in mode.reads] == ["item", "__float__", "tolist", "numpy", "cpu",
-                                          "__int__"]
+    assert [n for n, _ in mode.reads] == ["item", "__float__", "tolist", "numpy", "cpu", "__int__"]
 
 
-def test_a_deliberate_item_at_publish_is_caught(bus: EventBus,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_deliberate_item_at_publish_is_caught(
+    bus: EventBus, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The check can fail: a capture that read the value would be seen."""
     from eventbus import capture
 
@@ -219,8 +230,11 @@ def test_in_place_changes_after_publish_are_not_seen(bus: EventBus) -> None:
     loss = torch.tensor(1.0)
     vec = torch.ones(3)
     norm = torch.tensor(4.0)
-    events = (Loss(step=1, value=loss), Scalars(step=1, values={"vec": vec, "n": norm}),
-              OptimizerStepped(step=1, grad_norm=norm))
+    events = (
+        Loss(step=1, value=loss),
+        Scalars(step=1, values={"vec": vec, "n": norm}),
+        OptimizerStepped(step=1, grad_norm=norm),
+    )
     rec = Recorder()
     bus.subscribe(rec)
     with bus:
@@ -239,8 +253,12 @@ def test_in_place_changes_after_publish_are_not_seen(bus: EventBus) -> None:
 def test_delivered_values_equal_eager_item(bus: EventBus) -> None:
     ts = _tensors()
     eager = {k: t.detach().item() for k, t in ts.items() if t.numel() == 1}
-    got = _deliver(bus, Loss(step=1, value=ts["f32"]), Scalars(step=2, values=dict(ts)),
-                   OptimizerStepped(step=3, lr=torch.tensor(0.5), grad_norm=ts["grad"]))
+    got = _deliver(
+        bus,
+        Loss(step=1, value=ts["f32"]),
+        Scalars(step=2, values=dict(ts)),
+        OptimizerStepped(step=3, lr=torch.tensor(0.5), grad_norm=ts["grad"]),
+    )
     loss, scalars, opt = got
     assert type(loss.value) is float
     assert loss.value == eager["f32"]
@@ -294,20 +312,24 @@ def test_an_unreadable_capture_becomes_none_and_the_bus_goes_on(bus: EventBus) -
         device = property(lambda self: (_ for _ in ()).throw(RuntimeError("boom")))
 
     with structlog.testing.capture_logs() as logs:
-        got = _deliver(bus, Scalars(step=1, values={"bad": Pending(Broken()), "ok": 1.0}),
-                       Loss(step=2, value=torch.tensor(2.0)))
+        got = _deliver(
+            bus,
+            Scalars(step=1, values={"bad": Pending(Broken()), "ok": 1.0}),
+            Loss(step=2, value=torch.tensor(2.0)),
+        )
     assert got[0].values == {"bad": None, "ok": 1.0}
     assert got[1].value == 2.0
-    assert any("could not be read" in e["event"] and e["field"] == "Scalars.values"
-               for e in logs)
+    assert any("could not be read" in e["event"] and e["field"] == "Scalars.values" for e in logs)
 
 
 def test_shared_capture_parts_resolve_to_their_elements() -> None:
     t = torch.tensor([1.5, 2.0, 3.0, 4.0], dtype=torch.float64)
     shared = capture_shared(t)
     t.zero_()  # a snapshot
-    ev = Scalars(step=1, values={"x": shared.part(0), "n": shared.part(1, kind=int),
-                                 "rest": shared.part(2, 4)})
+    ev = Scalars(
+        step=1,
+        values={"x": shared.part(0), "n": shared.part(1, kind=int), "rest": shared.part(2, 4)},
+    )
     assert capture_event(ev) is True  # already-captured values still need resolving
     assert all(p.ready() for p in pending_of(ev))
     resolve(ev)
@@ -341,8 +363,9 @@ def test_cyclic_or_very_deep_fields_publish_without_recursion_error(kind: str) -
         v = _deep_dict(5000)
     t = torch.tensor(2.0)
     # A class per case: the warning is rate-limited per type and field.
-    cls = dataclasses.make_dataclass(f"Deep_{kind.replace('-', '_')}", [], bases=(Scalars,),
-                                     slots=True, kw_only=True)
+    cls = dataclasses.make_dataclass(
+        f"Deep_{kind.replace('-', '_')}", [], bases=(Scalars,), slots=True, kw_only=True
+    )
     ev = cls(step=1, values={"t": t, "v": v})
     with structlog.testing.capture_logs() as logs:
         assert capture_event(ev)  # the shallow tensor is still captured
@@ -360,14 +383,19 @@ def test_a_deep_field_without_tensors_is_delivered_unchanged(bus: EventBus) -> N
     assert got[0].values is deep
 
 
-@pytest.mark.parametrize("make", [
-    lambda: torch.tensor([[0.0, 1.5], [2.0, 0.0]]).to_sparse(),
-    lambda: torch.tensor([[0.0, 1.5], [2.0, 0.0]]).to_sparse_csr(),
-], ids=["coo", "csr"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.tensor([[0.0, 1.5], [2.0, 0.0]]).to_sparse(),
+        lambda: torch.tensor([[0.0, 1.5], [2.0, 0.0]]).to_sparse_csr(),
+    ],
+    ids=["coo", "csr"],
+)
 def test_sparse_tensors_reach_subscribers_and_the_encoder(make: Any, bus: EventBus) -> None:
     import warnings
 
     from eventbus.codec import decode, encode
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "sparse CSR support is in beta"
         t = make()

@@ -19,8 +19,10 @@ def test_docs_event_catalogue_matches_the_code() -> None:
 
 def test_every_event_class_is_in_the_catalogue() -> None:
     defined = {
-        obj for _, obj in inspect.getmembers(events, inspect.isclass)
-        if issubclass(obj, Event) and obj.__module__ == events.__name__
+        obj
+        for _, obj in inspect.getmembers(events, inspect.isclass)
+        if issubclass(obj, Event)
+        and obj.__module__ == events.__name__
         and obj not in (Event, events.UnknownEvent)
     }
     assert defined == set(catalogue())

@@ -28,8 +28,15 @@ from eventbus.logformat import FORMAT_VERSION, header
 def test_flat_line_format() -> None:
     ev = Loss(step=12, value=2.314, ts=1732269000123456789, seq=57, rank=0)
     d = orjson.loads(encode(ev))
-    assert d == {"type": "Loss", "step": 12, "ts": 1732269000123456789, "seq": 57, "rank": 0,
-                 "value": 2.314, "split": "train"}
+    assert d == {
+        "type": "Loss",
+        "step": 12,
+        "ts": 1732269000123456789,
+        "seq": 57,
+        "rank": 0,
+        "value": 2.314,
+        "split": "train",
+    }
     assert next(iter(d)) == "type"
     assert encode(ev).endswith(b"\n")
 
@@ -48,7 +55,8 @@ def test_float_round_trip_keeps_non_finite_apart(x: float) -> None:
 def test_nan_is_not_written_as_null() -> None:
     line = encode(Loss(step=1, value=math.nan))
     assert b"null" not in line.replace(b'"ts":null', b"").replace(b'"seq":null', b"").replace(
-        b'"rank":null', b"")
+        b'"rank":null', b""
+    )
     assert orjson.loads(encode(Loss(step=1, value=-math.inf)))["value"] == "-Infinity"
 
 
@@ -116,7 +124,9 @@ class Anything(Event):
 @pytest.mark.parametrize("s", ["NaN", "Infinity", "-Infinity", "\x00", "\x00NaN", "nan", ""])
 def test_strings_that_read_as_non_finite_tags_stay_strings(s: str) -> None:
     events: list[Event] = [
-        RunEnded(reason=s), Loss(step=1, value=s), Anything(x=[s, {"k": s}]),
+        RunEnded(reason=s),
+        Loss(step=1, value=s),
+        Anything(x=[s, {"k": s}]),
         RunStarted(config={"activation": s, "nested": {"v": [s, math.nan]}}),
     ]
     for ev in events:
@@ -159,8 +169,9 @@ def test_keys_without_a_json_form_are_refused_naming_the_field(key: Any) -> None
 
 
 def test_old_logs_still_read_tags_as_floats() -> None:
-    line = (b'{"type":"Scalars","step":1,"ts":1,"seq":1,"rank":0,'
-            b'"values":{"a":"NaN","b":"-Infinity"}}')
+    line = (
+        b'{"type":"Scalars","step":1,"ts":1,"seq":1,"rank":0,"values":{"a":"NaN","b":"-Infinity"}}'
+    )
     back = decode(line)
     assert isinstance(back, Scalars)
     assert math.isnan(back.values["a"]) and back.values["b"] == -math.inf
@@ -168,8 +179,23 @@ def test_old_logs_still_read_tags_as_floats() -> None:
 
 def test_the_fast_path_writes_what_the_exact_path_writes() -> None:
     """Lines without marks skip the escaping work; on every kind of value both paths agree."""
-    values = [1.5, math.nan, "NaN", "plain", "\x00x", {"a": 1.0, "b": "Infinity"}, [1, "x"],
-              {1: 2}, {"\x00": 1}, None, True, 3, (1, 2.5), np.float32(0.5), torch.ones(2)]
+    values = [
+        1.5,
+        math.nan,
+        "NaN",
+        "plain",
+        "\x00x",
+        {"a": 1.0, "b": "Infinity"},
+        [1, "x"],
+        {1: 2},
+        {"\x00": 1},
+        None,
+        True,
+        3,
+        (1, 2.5),
+        np.float32(0.5),
+        torch.ones(2),
+    ]
     for v in values:
         for ev in (Anything(step=1, x=v), Scalars(step=1, values={"k": v})):
             line = encode(ev)
@@ -204,13 +230,31 @@ class _BadToList:
 @pytest.mark.parametrize(
     ("value", "why"),
     [
-        ({1, 2}, "set"), (b"raw", "bytes"), (bytearray(b"x"), "bytes"),
-        (datetime.datetime(2024, 1, 1), "datetime"), (2**70, "64 bits"),
-        (_deep(600), "deeper than"), (_deep(5000), "deeper than"), (_cyclic(), "cycle"),
-        (_BadToList(), "tolist"), ({"k": [1, {2, 3}]}, "set"), (1j, "complex"),
+        ({1, 2}, "set"),
+        (b"raw", "bytes"),
+        (bytearray(b"x"), "bytes"),
+        (datetime.datetime(2024, 1, 1), "datetime"),
+        (2**70, "64 bits"),
+        (_deep(600), "deeper than"),
+        (_deep(5000), "deeper than"),
+        (_cyclic(), "cycle"),
+        (_BadToList(), "tolist"),
+        ({"k": [1, {2, 3}]}, "set"),
+        (1j, "complex"),
     ],
-    ids=["set", "bytes", "bytearray", "datetime", "bigint", "deep600", "deep5000", "cyclic",
-         "tolist-raises", "nested-set", "complex"],
+    ids=[
+        "set",
+        "bytes",
+        "bytearray",
+        "datetime",
+        "bigint",
+        "deep600",
+        "deep5000",
+        "cyclic",
+        "tolist-raises",
+        "nested-set",
+        "complex",
+    ],
 )
 def test_unwritable_values_raise_an_encode_error_naming_the_field(value: Any, why: str) -> None:
     with pytest.raises(EventEncodeError, match=rf"Anything\.x.*{why}") as info:
@@ -221,9 +265,11 @@ def test_unwritable_values_raise_an_encode_error_naming_the_field(value: Any, wh
 @pytest.mark.parametrize(
     ("value", "expected"),
     [
-        (np.float32(0.5), 0.5), (np.int64(7), 7), (np.float64(math.inf), math.inf),
-        (np.arange(3), [0, 1, 2]), (torch.tensor([[1.0, 0.0], [0.0, 2.0]]).to_sparse(),
-                                    [[1.0, 0.0], [0.0, 2.0]]),
+        (np.float32(0.5), 0.5),
+        (np.int64(7), 7),
+        (np.float64(math.inf), math.inf),
+        (np.arange(3), [0, 1, 2]),
+        (torch.tensor([[1.0, 0.0], [0.0, 2.0]]).to_sparse(), [[1.0, 0.0], [0.0, 2.0]]),
         (torch.tensor([0.0, 3.0]).to_sparse(), [0.0, 3.0]),
     ],
 )

@@ -62,8 +62,9 @@ def _free_port() -> int:
 
 @pytest.fixture
 def world_of_one(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
     try:
         yield
     finally:
@@ -152,16 +153,29 @@ def test_torchrun_two_ranks_stop_together(
     out = tmp_path / "run"
     nan_step, every = 20, 3
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-        "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{_free_port()}",
-        str(ROOT / "examples" / "torchrun_ddp.py"), "--quick", "--out", str(out),
-        "--nan-rank", "1", "--nan-step", str(nan_step), "--stop-check-every", str(every),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{_free_port()}",
+        str(ROOT / "examples" / "torchrun_ddp.py"),
+        "--quick",
+        "--out",
+        str(out),
+        "--nan-rank",
+        "1",
+        "--nan-step",
+        str(nan_step),
+        "--stop-check-every",
+        str(every),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     env.pop("EVENTBUS_SUBSCRIBERS", None)
     env.pop("EVENTBUS_CONFIG", None)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env,
-                          cwd=tmp_path, check=False)
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=200, env=env, cwd=tmp_path, check=False
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
     stops = {}

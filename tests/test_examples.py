@@ -23,8 +23,9 @@ def test_example_runs_in_quick_mode(script: Path, tmp_path: Path) -> None:
     if "--out" in script.read_text():
         cmd += ["--out", str(tmp_path / "out")]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg"}
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=280,
-                          env=env, check=False)
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=280, env=env, check=False
+    )
     tail = f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     assert proc.returncode == 0, f"{script.name} failed:\n{tail}"
 

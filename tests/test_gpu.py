@@ -107,9 +107,9 @@ def test_a_loop_publishing_every_step_never_syncs() -> None:
     dtypes: dict[str, str] = {}  # what the modules really returned, seen independently
     for name in ("blocks.0.qkv", "blocks.0.ln1"):
         model.get_submodule(name).register_forward_hook(
-            lambda m, a, out, name=name: dtypes.__setitem__(name, str(out.dtype)))
-    with bus, et.watch(model, bus, every=1, histogram=True), \
-            et.instrument(model, opt, bus) as ins:
+            lambda m, a, out, name=name: dtypes.__setitem__(name, str(out.dtype))
+        )
+    with bus, et.watch(model, bus, every=1, histogram=True), et.instrument(model, opt, bus) as ins:
         with sync_is_an_error():
             for step in range(1, 9):
                 with bus.step(step, samples=8, tokens=8 * 32):
@@ -119,8 +119,9 @@ def test_a_loop_publishing_every_step_never_syncs() -> None:
                     target = torch.randint(0, 64, (8, 32), device="cuda", generator=gen)
                     with torch.autocast("cuda", dtype=torch.bfloat16):
                         logits = model(x)
-                    loss = nn.functional.cross_entropy(logits.float().flatten(0, 1),
-                                                       target.flatten())
+                    loss = nn.functional.cross_entropy(
+                        logits.float().flatten(0, 1), target.flatten()
+                    )
                     loss.backward()
                     if step % 2 == 0:  # the clip result (pre-clip norm) on even steps
                         norm = nn.utils.clip_grad_norm_(model.parameters(), 1.0)

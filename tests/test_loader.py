@@ -14,8 +14,10 @@ from eventbus.monitors import DivergenceDetector
 
 def test_short_names_and_paths() -> None:
     assert load_object("divergence") is DivergenceDetector
-    assert load_object("eventbus.monitors:DivergenceDetector.load_state_dict") is \
-        DivergenceDetector.load_state_dict
+    assert (
+        load_object("eventbus.monitors:DivergenceDetector.load_state_dict")
+        is DivergenceDetector.load_state_dict
+    )
     assert all(split_path(n) for n in SHORT_NAMES)
 
 

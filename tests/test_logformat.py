@@ -30,8 +30,13 @@ from eventbus.logformat import (
 
 def test_header_and_records_are_written_with_non_finite_floats_kept() -> None:
     h = orjson.loads(header(rank=2, world_size=4))
-    assert h == {"type": HEADER_TYPE, "format": "eventbus.jsonl", "version": FORMAT_VERSION,
-                 "rank": 2, "world_size": 4}
+    assert h == {
+        "type": HEADER_TYPE,
+        "format": "eventbus.jsonl",
+        "version": FORMAT_VERSION,
+        "rank": 2,
+        "world_size": 4,
+    }
     r = orjson.loads(record(STATS_TYPE, bus={"blocked_s": math.inf}, writer={"x": math.nan}))
     assert r["bus"] == {"blocked_s": "Infinity"}
     assert r["writer"] == {"x": "NaN"}
@@ -47,7 +52,11 @@ def test_written_events_read_back_located_by_file_and_line(tmp_path: Path) -> No
     got = list(read_log(tmp_path, records=True, located=True))
     assert all(isinstance(x, LogLine) for x in got)
     assert [(x.lineno, type(x.item).__name__) for x in got] == [
-        (1, "dict"), (2, "Loss"), (3, "RunEnded"), (6, "Loss")]
+        (1, "dict"),
+        (2, "Loss"),
+        (3, "RunEnded"),
+        (6, "Loss"),
+    ]
     assert got[-1].where == f"{path}:6"
     assert [type(e).__name__ for e in read_log(path)] == ["Loss", "RunEnded", "Loss"]
 
@@ -65,26 +74,37 @@ def test_log_files_and_ranks(tmp_path: Path) -> None:
         log_files(tmp_path / "sub.jsonl")
 
 
-@pytest.mark.parametrize(("line", "words"), [
-    (b'{"type":"Loss","step":"abc","value":1.0}', "Loss.step must be an integer or null"),
-    (b'{"type":"Loss","step":1,"ts":"yesterday","value":1.0}', "Loss.ts must be an integer"),
-    (b'{"type":"Loss","step":1,"rank":[1],"value":1.0}', "Loss.rank must be a non-negative"),
-    (b'{"type":"Mine","step":1,"seq":-1}', "Mine.seq must be a non-negative integer"),
-    (b'{"type":"eventbus.stats","bus":[1]}', "stats record: bus must be an object"),
-    (b'{"type":"eventbus.stats","bus":{"subscribers":{"w":{"failed":1.5}}}}',
-     "stats record: bus.subscribers.w: failed must be an integer"),
-    (b'{"type":"eventbus.stats","writer":{"lines_lost":[1]}}', "writer.lines_lost must be"),
-    (b'{"type":"eventbus.skipped","reason":1,"event_type":"Loss"}', "reason must be a string"),
-    (b'{"type":"eventbus.header","format":"other","version":1}', "format 'other' is not"),
-    (b'{"type":"eventbus.header","format":"eventbus.jsonl","version":99}',
-     "format version 99 is newer than this eventbus reads (1); upgrade eventbus"),
-    (b"\x00\x01\x02\n", "not an eventbus log: binary data"),
-    (b"[1, 2]\n", "not an event record"),
-])
+@pytest.mark.parametrize(
+    ("line", "words"),
+    [
+        (b'{"type":"Loss","step":"abc","value":1.0}', "Loss.step must be an integer or null"),
+        (b'{"type":"Loss","step":1,"ts":"yesterday","value":1.0}', "Loss.ts must be an integer"),
+        (b'{"type":"Loss","step":1,"rank":[1],"value":1.0}', "Loss.rank must be a non-negative"),
+        (b'{"type":"Mine","step":1,"seq":-1}', "Mine.seq must be a non-negative integer"),
+        (b'{"type":"eventbus.stats","bus":[1]}', "stats record: bus must be an object"),
+        (
+            b'{"type":"eventbus.stats","bus":{"subscribers":{"w":{"failed":1.5}}}}',
+            "stats record: bus.subscribers.w: failed must be an integer",
+        ),
+        (b'{"type":"eventbus.stats","writer":{"lines_lost":[1]}}', "writer.lines_lost must be"),
+        (b'{"type":"eventbus.skipped","reason":1,"event_type":"Loss"}', "reason must be a string"),
+        (b'{"type":"eventbus.header","format":"other","version":1}', "format 'other' is not"),
+        (
+            b'{"type":"eventbus.header","format":"eventbus.jsonl","version":99}',
+            "format version 99 is newer than this eventbus reads (1); upgrade eventbus",
+        ),
+        (b"\x00\x01\x02\n", "not an eventbus log: binary data"),
+        (b"[1, 2]\n", "not an event record"),
+    ],
+)
 def test_a_bad_line_is_named_by_file_and_line(tmp_path: Path, line: bytes, words: str) -> None:
     log = tmp_path / "bad.jsonl"
-    log.write_bytes(encode(Loss(step=1, value=1.0)) + line.rstrip(b"\n") + b"\n"
-                    + encode(Loss(step=2, value=1.0)))
+    log.write_bytes(
+        encode(Loss(step=1, value=1.0))
+        + line.rstrip(b"\n")
+        + b"\n"
+        + encode(Loss(step=2, value=1.0))
+    )
     with pytest.raises(LogReadError) as e:
         list(read_log(log))  # records are checked even when not asked for
     assert str(e.value).startswith(f"{log}:2: ")
@@ -101,7 +121,7 @@ def test_a_torn_last_line_is_skipped_but_binary_garbage_is_refused(tmp_path: Pat
     good = encode(Loss(step=1, value=1.0))
     snowman = encode(RunEnded(reason="\u2603"))
     log = tmp_path / "events.jsonl"
-    log.write_bytes(good + snowman[:snowman.index(b"\xe2") + 1])  # cut inside a character
+    log.write_bytes(good + snowman[: snowman.index(b"\xe2") + 1])  # cut inside a character
     assert [e.step for e in read_log(log)] == [1]
     log.write_bytes(good + b"\xff\xfe garbage")
     with pytest.raises(LogReadError, match=r"events\.jsonl:2: not an eventbus log"):

@@ -54,8 +54,15 @@ class NanWatcher:
     async def on_events(self, batch: list[Event]) -> None:
         for ev in batch:
             if isinstance(ev, Loss) and not math.isfinite(ev.value) and not self.bus.should_stop:
-                self.bus.publish(DivergenceDetected(step=ev.step, metric="loss", value=ev.value,
-                                                    baseline=0.0, reason="non-finite"))
+                self.bus.publish(
+                    DivergenceDetected(
+                        step=ev.step,
+                        metric="loss",
+                        value=ev.value,
+                        baseline=0.0,
+                        reason="non-finite",
+                    )
+                )
                 self.bus.control.request_stop("non-finite loss", source="NanWatcher")
 
     def on_close(self) -> None:
@@ -107,10 +114,14 @@ def test_several_rank_files_interleave_by_step_then_ts(tmp_path: Path) -> None:
             return RunStarted(ts=ts, rank=rank, seq=seq)
         return Loss(step=step, value=float(rank), ts=ts, rank=rank, seq=seq)
 
-    a = _log(tmp_path / "events.rank0.jsonl",
-             [ev(None, 10, 0, 0), ev(1, 100, 0, 1), ev(2, 300, 0, 2), ev(3, 500, 0, 3)])
-    b = _log(tmp_path / "events.rank1.jsonl",
-             [ev(None, 5, 1, 0), ev(1, 150, 1, 1), ev(2, 250, 1, 2), ev(3, 450, 1, 3)])
+    a = _log(
+        tmp_path / "events.rank0.jsonl",
+        [ev(None, 10, 0, 0), ev(1, 100, 0, 1), ev(2, 300, 0, 2), ev(3, 500, 0, 3)],
+    )
+    b = _log(
+        tmp_path / "events.rank1.jsonl",
+        [ev(None, 5, 1, 0), ev(1, 150, 1, 1), ev(2, 250, 1, 2), ev(3, 450, 1, 3)],
+    )
     rec = Recorder()
     replay([a, b], rec)
     order = [(e.step, e.rank) for e in rec.got]
@@ -124,8 +135,10 @@ def test_user_types_rebuilt_and_unknown_types_never_imported(tmp_path: Path) -> 
     log = tmp_path / "log.jsonl"
     _log(log, [ReplayUserEvent(step=1, note="hi", x=math.inf, seq=0)])
     with open(log, "ab") as f:
-        f.write(orjson.dumps({"type": "os.system", "step": 2, "module": "evil_mod_xyz",
-                              "value": "NaN"}) + b"\n")
+        f.write(
+            orjson.dumps({"type": "os.system", "step": 2, "module": "evil_mod_xyz", "value": "NaN"})
+            + b"\n"
+        )
     rec = Recorder()
     replay(log, rec)
     user, unknown = rec.got
@@ -138,8 +151,9 @@ def test_user_types_rebuilt_and_unknown_types_never_imported(tmp_path: Path) -> 
 
 
 def test_subscriber_protocol_functions_sync_and_async(tmp_path: Path) -> None:
-    log = _log(tmp_path / "l.jsonl", [Loss(step=s, value=1.0) for s in range(5)]
-               + [StepEnded(step=4)])
+    log = _log(
+        tmp_path / "l.jsonl", [Loss(step=s, value=1.0) for s in range(5)] + [StepEnded(step=4)]
+    )
     seen: list[str] = []
 
     def fn(ev: Event) -> None:
@@ -215,8 +229,9 @@ def test_torn_last_line_is_skipped_and_a_corrupt_line_names_its_place(tmp_path: 
     assert [e.step for e in rec.got] == [1, 2]
 
     bad = tmp_path / "bad.jsonl"
-    bad.write_bytes(encode(Loss(step=1, value=1.0)) + b"not json\n" + encode(Loss(step=3,
-                                                                                  value=1.0)))
+    bad.write_bytes(
+        encode(Loss(step=1, value=1.0)) + b"not json\n" + encode(Loss(step=3, value=1.0))
+    )
     with pytest.raises(LogReadError, match=r"bad\.jsonl:2"):
         replay(bad, Recorder())
 
@@ -248,8 +263,11 @@ def test_live_bus_and_replay_agree_on_what_a_monitor_publishes(tmp_path: Path) -
     with bus:
         for s, v in enumerate([1.0, 0.5, math.nan, 0.2]):
             bus.publish(Loss(step=s, value=v))
-    live = [type(e).__name__ for e in read_log(w.path)
-            if isinstance(e, DivergenceDetected | StopRequested)]
+    live = [
+        type(e).__name__
+        for e in read_log(w.path)
+        if isinstance(e, DivergenceDetected | StopRequested)
+    ]
     losses = tmp_path / "losses.jsonl"
     _log(losses, [e for e in read_log(w.path) if isinstance(e, Loss)])
     replayed = [type(e).__name__ for e in replay(losses, NanWatcher())]

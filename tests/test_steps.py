@@ -33,8 +33,12 @@ def test_step_publishes_started_and_ended_with_duration_and_counts(
             with bus.step(n, samples=8) as s:
                 time.sleep(0.02)
                 s.tokens = torch.tensor(8 * 128)  # known inside the step; a tensor is fine
-    assert _names(recorder.got) == [("StepStarted", 1), ("StepEnded", 1),
-                                    ("StepStarted", 2), ("StepEnded", 2)]
+    assert _names(recorder.got) == [
+        ("StepStarted", 1),
+        ("StepEnded", 1),
+        ("StepStarted", 2),
+        ("StepEnded", 2),
+    ]
     ended = [e for e in recorder.got if isinstance(e, StepEnded)]
     for e in ended:
         assert e.samples == 8
@@ -74,8 +78,15 @@ def test_phases_take_the_step_of_the_open_scope(bus: EventBus, recorder: Recorde
         with bus.phase("forward", step=9):
             pass
     kinds = [type(e) for e in recorder.got]
-    assert kinds == [StepStarted, ForwardEnded, BackwardEnded, OptimizerStepped, StepEnded,
-                     ForwardEnded, ForwardEnded]
+    assert kinds == [
+        StepStarted,
+        ForwardEnded,
+        BackwardEnded,
+        OptimizerStepped,
+        StepEnded,
+        ForwardEnded,
+        ForwardEnded,
+    ]
     assert [e.step for e in recorder.got] == [7, 7, 7, 7, 7, None, 9]
     opt = recorder.got[3]
     assert opt.lr == 0.1
@@ -125,8 +136,9 @@ def test_steps_of_two_buses_are_independent() -> None:
         (lambda bus: bus.phase("optimizer", step="x"), TypeError, "step must be an int"),
     ],
 )
-def test_bad_arguments_fail_where_they_are_given(bus: EventBus, call: Any, error: type,
-                                                 match: str) -> None:
+def test_bad_arguments_fail_where_they_are_given(
+    bus: EventBus, call: Any, error: type, match: str
+) -> None:
     with pytest.raises(error, match=match):
         call(bus)
 

@@ -68,6 +68,7 @@ def test_each_sync_subscriber_has_its_own_thread(n: int) -> None:
     def make(i: int):  # type: ignore[no-untyped-def]
         def fn(ev: Event) -> None:
             names[i].add(threading.current_thread().name)
+
         return fn
 
     bus = EventBus()

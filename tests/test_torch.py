@@ -91,16 +91,16 @@ def _stats(got: list[Any]) -> list[TensorStats]:
 
 def _called_modules(model: nn.Module) -> tuple[set[str], list[Any]]:
     called: set[str] = set()
-    handles = [m.register_forward_hook(lambda *a, n=n: called.add(n))
-               for n, m in model.named_modules()]
+    handles = [
+        m.register_forward_hook(lambda *a, n=n: called.add(n)) for n, m in model.named_modules()
+    ]
     return called, handles
 
 
 def _all_hooks(model: nn.Module) -> list[int]:
     sizes = []
     for m in model.modules():
-        for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks,
-                  m._backward_pre_hooks):
+        for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks):
             sizes.append(len(d))
     for p in model.parameters():
         sizes.append(len(p._post_accumulate_grad_hooks or {}))
@@ -129,8 +129,7 @@ def test_watch_covers_every_module_and_parameter_at_the_interval(
     modules = {n for n, _ in model.named_modules()}
     assert modules - called == {"blocks"}  # a ModuleList is never called itself
     for step in (2, 4):
-        by_kind = {k: [e.name for e in stats if e.step == step and e.kind == k]
-                   for k in et.KINDS}
+        by_kind = {k: [e.name for e in stats if e.step == step and e.kind == k] for k in et.KINDS}
         assert sorted(by_kind["weights"]) == sorted(params)
         assert sorted(by_kind["grads"]) == sorted(params)
         assert sorted(by_kind["activations"]) == sorted(called)  # root is ""
@@ -140,7 +139,8 @@ def test_watch_statistics_equal_eager_values(bus: EventBus, recorder: Recorder) 
     model = _gpt()
     outputs: dict[str, torch.Tensor] = {}
     hook = model.blocks[0].mlp.register_forward_hook(
-        lambda m, a, out: outputs.__setitem__("mlp", out.detach().clone()))
+        lambda m, a, out: outputs.__setitem__("mlp", out.detach().clone())
+    )
     bus.subscribe(recorder)
     with bus, et.watch(model, bus, every=1, histogram=True, bins=10):
         weight = model.head.weight.detach().clone()
@@ -148,8 +148,11 @@ def test_watch_statistics_equal_eager_values(bus: EventBus, recorder: Recorder) 
         grad = model.head.weight.grad.clone()
     hook.remove()
     stats = {(e.kind, e.name): e for e in _stats(recorder.got)}
-    for key, t in ((("activations", "blocks.0.mlp"), outputs["mlp"]),
-                   (("weights", "head.weight"), weight), (("grads", "head.weight"), grad)):
+    for key, t in (
+        (("activations", "blocks.0.mlp"), outputs["mlp"]),
+        (("weights", "head.weight"), weight),
+        (("grads", "head.weight"), grad),
+    ):
         s = stats[key]
         assert s.dtype == "torch.float32"
         assert s.shape == tuple(t.shape)
@@ -283,8 +286,11 @@ def test_watch_publishes_nothing_while_disabled(bus: EventBus, recorder: Recorde
         model(torch.randn(1, 2)).sum().backward()
         w.enabled = True
         model(torch.randn(1, 2)).sum().backward()
-    assert Counter(e.kind for e in _stats(recorder.got)) == {"weights": 2, "grads": 2,
-                                                           "activations": 1}
+    assert Counter(e.kind for e in _stats(recorder.got)) == {
+        "weights": 2,
+        "grads": 2,
+        "activations": 1,
+    }
 
 
 @pytest.mark.parametrize(
@@ -297,8 +303,9 @@ def test_watch_publishes_nothing_while_disabled(bus: EventBus, recorder: Recorde
         ({"histogram": True, "bins": 0}, ValueError, "bins must be"),
     ],
 )
-def test_watch_rejects_bad_arguments(bus: EventBus, kwargs: dict[str, Any], error: type,
-                                     match: str) -> None:
+def test_watch_rejects_bad_arguments(
+    bus: EventBus, kwargs: dict[str, Any], error: type, match: str
+) -> None:
     with pytest.raises(error, match=match):
         et.watch(nn.Linear(2, 2), bus, **kwargs)
 
@@ -323,14 +330,20 @@ def test_instrument_publishes_phases_with_lr_and_device_grad_norm(
     model = _gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     norms: list[float] = []
-    opt.register_step_pre_hook(lambda o, a, k: norms.append(torch.linalg.vector_norm(
-        torch.stack([p.grad.norm() for p in model.parameters()])).item()))
+    opt.register_step_pre_hook(
+        lambda o, a, k: norms.append(
+            torch.linalg.vector_norm(
+                torch.stack([p.grad.norm() for p in model.parameters()])
+            ).item()
+        )
+    )
     bus.subscribe(recorder)
     with bus, et.instrument(model, opt, bus):
         for seed in range(3):
             _train_step(model, opt, seed)
-    got = [e for e in recorder.got if isinstance(e, ForwardEnded | BackwardEnded |
-                                                 OptimizerStepped)]
+    got = [
+        e for e in recorder.got if isinstance(e, ForwardEnded | BackwardEnded | OptimizerStepped)
+    ]
     assert [(type(e).__name__, e.step) for e in got] == [
         (n, s) for s in (1, 2, 3) for n in ("ForwardEnded", "BackwardEnded", "OptimizerStepped")
     ]
@@ -350,8 +363,9 @@ def test_instrument_publishes_a_given_grad_norm_and_follows_bus_steps(
     with bus, et.instrument(model, opt, bus, grad_norm=False) as ins:
         for step in (10, 11):
             with bus.step(step):
-                loss = nn.functional.cross_entropy(model(_batch(step)).flatten(0, 1),
-                                                   _batch(step).flatten())
+                loss = nn.functional.cross_entropy(
+                    model(_batch(step)).flatten(0, 1), _batch(step).flatten()
+                )
                 loss.backward()
                 if step == 10:
                     norm = nn.utils.clip_grad_norm_(model.parameters(), 0.1)
@@ -360,14 +374,12 @@ def test_instrument_publishes_a_given_grad_norm_and_follows_bus_steps(
                 opt.step()
                 opt.zero_grad()
     opts = [e for e in recorder.got if isinstance(e, OptimizerStepped)]
-    assert [(e.step, e.grad_norm, e.lr) for e in opts] == [(10, clipped[0], 0.5),
-                                                          (11, None, 0.5)]
+    assert [(e.step, e.grad_norm, e.lr) for e in opts] == [(10, clipped[0], 0.5), (11, None, 0.5)]
     kinds = [type(e) for e in recorder.got if e.step == 10]
     assert kinds == [StepStarted, ForwardEnded, BackwardEnded, OptimizerStepped, StepEnded]
 
 
-def test_instrument_without_optimizer_counts_forwards(bus: EventBus,
-                                                     recorder: Recorder) -> None:
+def test_instrument_without_optimizer_counts_forwards(bus: EventBus, recorder: Recorder) -> None:
     model = nn.Linear(2, 1)
     bus.subscribe(recorder)
     with bus, et.instrument(model, bus=bus, first_step=0):
@@ -376,8 +388,14 @@ def test_instrument_without_optimizer_counts_forwards(bus: EventBus,
         with torch.no_grad():
             model(torch.randn(1, 2))  # no backward: no BackwardEnded
     assert [(type(e).__name__, e.step) for e in recorder.got] == [
-        ("ForwardEnded", 0), ("BackwardEnded", 0), ("ForwardEnded", 1), ("BackwardEnded", 1),
-        ("ForwardEnded", 2), ("BackwardEnded", 2), ("ForwardEnded", 3)]
+        ("ForwardEnded", 0),
+        ("BackwardEnded", 0),
+        ("ForwardEnded", 1),
+        ("BackwardEnded", 1),
+        ("ForwardEnded", 2),
+        ("BackwardEnded", 2),
+        ("ForwardEnded", 3),
+    ]
 
 
 # -- no host reads on the training thread ------------------------------------------------
@@ -404,15 +422,19 @@ def test_a_watched_and_instrumented_loop_never_reads_a_tensor_on_the_training_th
         assert [r for r in reads if r[1] == me] == []  # autograd hooks (grads) included
     delivered = [e.value for e in recorder.got if isinstance(e, Loss)]
     assert delivered == [t.item() for t in losses]  # eager reads, after the loop
-    assert len(_stats(recorder.got)) == 3 * (2 * len(list(model.parameters())) +
-                                             len(list(model.modules())) - 1)
+    assert len(_stats(recorder.got)) == 3 * (
+        2 * len(list(model.parameters())) + len(list(model.modules())) - 1
+    )
 
 
 def test_eventbus_torch_does_not_shadow_torch() -> None:
     assert et.torch is torch
-    code = ("import eventbus.torch, torch, eventbus; "
-            "assert torch.nn.Linear and eventbus.torch.torch is torch; "
-            "from eventbus.torch import watch; print('ok')")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60, check=False)
+    code = (
+        "import eventbus.torch, torch, eventbus; "
+        "assert torch.nn.Linear and eventbus.torch.torch is torch; "
+        "from eventbus.torch import watch; print('ok')"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
     assert out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -16,12 +16,20 @@ from eventbus.logformat import header
 from tests.cli.conftest import one_line_error
 
 
-@pytest.mark.parametrize("argv", [
-    [], ["frob"], ["summary"], ["replay", "x.jsonl"], ["plot", "x.jsonl"],
-    ["tail", "x", "--max-lines", "zero"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["frob"],
+        ["summary"],
+        ["replay", "x.jsonl"],
+        ["plot", "x.jsonl"],
+        ["tail", "x", "--max-lines", "zero"],
+    ],
+)
 def test_bad_arguments_exit_2_with_one_line(
-    argv: list[str], capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert main(argv) == 2
     one_line_error(capsys)
@@ -29,16 +37,22 @@ def test_bad_arguments_exit_2_with_one_line(
 
 @pytest.mark.parametrize("command", ["summary", "plot", "tail", "replay"])
 def test_unreadable_and_corrupt_files_exit_2_with_one_line(
-    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    command: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    extra = {"plot": ["-o", str(tmp_path / "x.png")],
-             "replay": ["-s", "tests.cli.test_replay:make_watcher"],
-             "tail": ["--no-follow"], "summary": []}[command]
+    extra = {
+        "plot": ["-o", str(tmp_path / "x.png")],
+        "replay": ["-s", "tests.cli.test_replay:make_watcher"],
+        "tail": ["--no-follow"],
+        "summary": [],
+    }[command]
     assert main([command, str(tmp_path / "missing.jsonl"), *extra]) == 2
     one_line_error(capsys, "missing.jsonl")
     corrupt = tmp_path / "corrupt.jsonl"
-    corrupt.write_bytes(encode(Loss(step=1, value=1.0)) + b"{\"type\": 12}\n"
-                        + encode(Loss(step=2, value=1.0)))
+    corrupt.write_bytes(
+        encode(Loss(step=1, value=1.0)) + b'{"type": 12}\n' + encode(Loss(step=2, value=1.0))
+    )
     assert main([command, str(corrupt), *extra]) == 2
     one_line_error(capsys, "corrupt.jsonl")
     binary = tmp_path / "binary.jsonl"
@@ -48,9 +62,13 @@ def test_unreadable_and_corrupt_files_exit_2_with_one_line(
 
 
 def test_the_installed_command_prints_no_traceback(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "eventbus.cli", "summary",
-                        str(tmp_path / "nope.jsonl")], capture_output=True, text=True,
-                       timeout=60, check=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "eventbus.cli", "summary", str(tmp_path / "nope.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0
     assert "no such file" in r.stderr
@@ -74,22 +92,29 @@ BAD_LINES = {
 
 
 def _args(command: str, log: Path, tmp_path: Path) -> list[str]:
-    extra = {"plot": ["-o", str(tmp_path / "x.png")],
-             "replay": ["-s", "tests.cli.test_replay:count_losses"],
-             "tail": ["--no-follow"], "summary": []}[command]
+    extra = {
+        "plot": ["-o", str(tmp_path / "x.png")],
+        "replay": ["-s", "tests.cli.test_replay:count_losses"],
+        "tail": ["--no-follow"],
+        "summary": [],
+    }[command]
     return [command, str(log), *extra]
 
 
 @pytest.mark.parametrize("command", COMMANDS)
 @pytest.mark.parametrize("field", BAD_LINES)
 def test_a_wrongly_typed_field_is_exit_2_naming_file_line_and_field(
-    command: str, field: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    command: str,
+    field: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     if command == "plot":
         pytest.importorskip("matplotlib")
     log = tmp_path / "typed.jsonl"
-    log.write_bytes(encode(Loss(step=1, value=1.0)) + BAD_LINES[field] + b"\n"
-                    + encode(Loss(step=3, value=1.0)))
+    log.write_bytes(
+        encode(Loss(step=1, value=1.0)) + BAD_LINES[field] + b"\n" + encode(Loss(step=3, value=1.0))
+    )
     assert main(_args(command, log, tmp_path)) == 2
     line = one_line_error(capsys, f"{log}:2: ", field)
     assert "unexpected" not in line
@@ -97,7 +122,9 @@ def test_a_wrongly_typed_field_is_exit_2_naming_file_line_and_field(
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_what_is_not_a_log_is_refused_with_one_line(
-    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    command: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     if command == "plot":
         pytest.importorskip("matplotlib")
@@ -121,7 +148,9 @@ def test_what_is_not_a_log_is_refused_with_one_line(
 
 @pytest.mark.parametrize("command", ["summary", "replay", "plot"])
 def test_a_log_without_events_is_exit_2_saying_why(
-    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    command: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     if command == "plot":
         pytest.importorskip("matplotlib")
@@ -136,7 +165,8 @@ def test_a_log_without_events_is_exit_2_saying_why(
 
 
 def test_tail_waits_on_an_empty_or_header_only_file(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """A run that just started has written nothing yet, or only its header: not an error."""
     log = tmp_path / "events.jsonl"

@@ -27,7 +27,9 @@ def test_plot_writes_a_png(demo: Path, tmp_path: Path, capsys: pytest.CaptureFix
 
 
 def test_plot_errors(
-    demo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    demo: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     assert main(["plot", str(demo), "-o", str(tmp_path / "x.jpg")]) == 2

@@ -28,8 +28,9 @@ class Watcher:
     def on_events(self, batch: list[Event]) -> None:
         for ev in batch:
             if isinstance(ev, Loss) and not math.isfinite(ev.value):
-                self.bus.publish(DivergenceDetected(step=ev.step, value=ev.value, baseline=0.0,
-                                                    reason="watcher"))
+                self.bus.publish(
+                    DivergenceDetected(step=ev.step, value=ev.value, baseline=0.0, reason="watcher")
+                )
                 return
 
 
@@ -42,11 +43,25 @@ def count_losses(ev: Event) -> None:
 
 
 def test_replay_with_a_module_factory_writes_what_it_published(
-    demo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    demo: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     out = tmp_path / "found.jsonl"
-    assert main(["replay", str(demo), "--subscribe", "tests.cli.test_replay:make_watcher",
-                 "tests.cli.test_replay:count_losses", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "replay",
+                str(demo),
+                "--subscribe",
+                "tests.cli.test_replay:make_watcher",
+                "tests.cli.test_replay:count_losses",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "1 published" in capsys.readouterr().out
     (ev,) = list(read_log(out))
     assert isinstance(ev, DivergenceDetected)
@@ -54,7 +69,9 @@ def test_replay_with_a_module_factory_writes_what_it_published(
 
 
 def test_replay_with_the_divergence_detector(
-    demo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    demo: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     try:
         importlib.import_module("eventbus.monitors.divergence").DivergenceDetector  # noqa: B018
@@ -74,33 +91,52 @@ def test_replay_with_the_divergence_detector(
 
 
 def test_replay_into_jsonl_and_tensorboard(
-    demo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    demo: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     pytest.importorskip("tensorboard")
-    assert main(["replay", str(demo), "-s", f"jsonl:{tmp_path / 'copy'}",
-                 f"tensorboard:{tmp_path / 'tb'}"]) == 0
+    assert (
+        main(
+            [
+                "replay",
+                str(demo),
+                "-s",
+                f"jsonl:{tmp_path / 'copy'}",
+                f"tensorboard:{tmp_path / 'tb'}",
+            ]
+        )
+        == 0
+    )
     copy = tmp_path / "copy" / "events.jsonl"
     assert [encode(e) for e in read_log(copy)] == [encode(e) for e in read_log(demo)]
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
 
 
-@pytest.mark.parametrize(("spec", "words"), [
-    ("bogus", ["unknown subscriber 'bogus'"]),
-    ("no_such_module_xyz:make", ["cannot import 'no_such_module_xyz'"]),
-    ("tests.cli.test_replay:nothing_here", ["has no attribute 'nothing_here'"]),
-    ("jsonl", ["missing a required argument: 'path'"]),
-    ("progress:oops", ["too many positional arguments"]),
-    ("progress:nope=1", ["unexpected keyword argument 'nope'"]),
-])
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [
+        ("bogus", ["unknown subscriber 'bogus'"]),
+        ("no_such_module_xyz:make", ["cannot import 'no_such_module_xyz'"]),
+        ("tests.cli.test_replay:nothing_here", ["has no attribute 'nothing_here'"]),
+        ("jsonl", ["missing a required argument: 'path'"]),
+        ("progress:oops", ["too many positional arguments"]),
+        ("progress:nope=1", ["unexpected keyword argument 'nope'"]),
+    ],
+)
 def test_bad_specs_are_one_line_errors(
-    demo: Path, capsys: pytest.CaptureFixture[str], spec: str, words: list[str],
+    demo: Path,
+    capsys: pytest.CaptureFixture[str],
+    spec: str,
+    words: list[str],
 ) -> None:
     assert main(["replay", str(demo), "--subscribe", spec]) == 2
     one_line_error(capsys, *words)
 
 
 def test_replay_refuses_to_write_over_its_input(
-    demo: Path, capsys: pytest.CaptureFixture[str],
+    demo: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert main(["replay", str(demo), "-s", f"jsonl:{demo.parent}"]) == 2
     one_line_error(capsys, "is being replayed")

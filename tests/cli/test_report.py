@@ -46,8 +46,12 @@ def test_seq_counter_memory_stays_bounded_across_gaps() -> None:
 def test_a_value_the_summary_cannot_use_is_named_by_file_and_line(tmp_path: Path) -> None:
     log = tmp_path / "events.jsonl"
     bad = encode(DivergenceDetected(step=2, value=1.0, baseline=1.0)).replace(
-        b'"value":1.0', b'"value":"high"')
+        b'"value":1.0', b'"value":"high"'
+    )
     log.write_bytes(encode(Loss(step=1, value=1.0)) + bad)
-    with pytest.raises(LogReadError, match=r"events\.jsonl:2: DivergenceDetected\.value must be "
-                       r"a number, got 'high'"):
+    with pytest.raises(
+        LogReadError,
+        match=r"events\.jsonl:2: DivergenceDetected\.value must be "
+        r"a number, got 'high'",
+    ):
         collect([log])

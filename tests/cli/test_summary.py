@@ -47,7 +47,8 @@ def test_summary_json_has_the_numbers(demo: Path, capsys: pytest.CaptureFixture[
 
 
 def test_summary_reports_failures_and_detections(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     def broken(ev: Event) -> None:
         raise RuntimeError("nope")
@@ -69,7 +70,8 @@ def test_summary_reports_failures_and_detections(
 
 
 def test_summary_of_a_crashed_run_says_losses_are_unknown(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     log = tmp_path / "events.jsonl"
     log.write_bytes(b"".join(encode(Loss(step=s, value=1.0, seq=s)) for s in (1, 2, 5)))
@@ -99,13 +101,16 @@ def _shuffled_locally(seqs: list[int], seed: int) -> list[int]:
 
 
 def _log(path: Path, seqs: list[int], *, rank: int = 0) -> Path:
-    path.write_bytes(header(rank=rank, world_size=1) + b"".join(
-        encode(Loss(step=s + 1, value=1.0, seq=s, rank=rank)) for s in seqs))
+    path.write_bytes(
+        header(rank=rank, world_size=1)
+        + b"".join(encode(Loss(step=s + 1, value=1.0, seq=s, rank=rank)) for s in seqs)
+    )
     return path
 
 
 def test_seqs_out_of_file_order_are_no_loss(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     seqs = _shuffled_locally(list(range(500)), seed=1)
     assert seqs != sorted(seqs)
@@ -116,7 +121,8 @@ def test_seqs_out_of_file_order_are_no_loss(
 
 
 def test_real_gaps_are_counted_exactly_in_any_order(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     lost = {3, 4, 100, 250, 251, 252, 499}
     seqs = _shuffled_locally([s for s in range(501) if s not in lost], seed=2)
@@ -127,7 +133,8 @@ def test_real_gaps_are_counted_exactly_in_any_order(
 
 
 def test_a_gap_wider_than_the_window_and_late_arrivals_are_exact(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     # 10 arrives after 9,000 later numbers (past SeqCounter's window): it is no loss.
     seqs = [s for s in range(10_000) if s not in (10, 20)]
@@ -137,7 +144,8 @@ def test_a_gap_wider_than_the_window_and_late_arrivals_are_exact(
 
 
 def test_seqs_count_per_file_rank_and_session(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     _log(tmp_path / "events.rank0.jsonl", list(range(100)), rank=0)
     _log(tmp_path / "events.rank1.jsonl", [s for s in range(100) if s != 50], rank=1)
@@ -148,13 +156,16 @@ def test_seqs_count_per_file_rank_and_session(
 
 
 def test_a_skipped_event_is_counted_once_not_as_a_gap_too(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     log = tmp_path / "events.jsonl"
-    log.write_bytes(header(rank=0) + encode(Loss(step=1, value=1.0, seq=0))
-                    + record(SKIPPED_TYPE, reason="oversize", event_type="Loss", step=2, seq=1,
-                             rank=0)
-                    + encode(Loss(step=3, value=1.0, seq=2)))
+    log.write_bytes(
+        header(rank=0)
+        + encode(Loss(step=1, value=1.0, seq=0))
+        + record(SKIPPED_TYPE, reason="oversize", event_type="Loss", step=2, seq=1, rank=0)
+        + encode(Loss(step=3, value=1.0, seq=2))
+    )
     assert _losses(log, capsys)["seq_gaps"] == 0
     assert main(["summary", str(log)]) == 0
     out = capsys.readouterr().out
@@ -163,7 +174,8 @@ def test_a_skipped_event_is_counted_once_not_as_a_gap_too(
 
 
 def test_several_threads_publishing_report_no_loss(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     bus = EventBus(drain_interval=0.002)
     bus.subscribe(JsonlWriter(tmp_path))
@@ -184,7 +196,8 @@ def test_several_threads_publishing_report_no_loss(
 
 
 def test_json_summary_of_sums_past_64_bits(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     log = tmp_path / "events.jsonl"
     big = record(STATS_TYPE, bus={"published": 2**64 - 1})

@@ -14,7 +14,8 @@ from eventbus.events import Loss, RunEnded, StepEnded
 
 
 def test_tail_no_follow_prints_the_last_steps(
-    demo: Path, capsys: pytest.CaptureFixture[str],
+    demo: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert main(["tail", str(demo), "-n", "4", "--no-follow"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -43,8 +44,7 @@ def test_tail_follows_a_live_file(tmp_path: Path, capsys: pytest.CaptureFixture[
     t = threading.Thread(target=grow)
     t.start()
     try:
-        code = main(["tail", str(log), "--max-lines", "4", "--timeout", "10",
-                     "--interval", "0.02"])
+        code = main(["tail", str(log), "--max-lines", "4", "--timeout", "10", "--interval", "0.02"])
     finally:
         t.join()
     assert code == 0
@@ -54,7 +54,8 @@ def test_tail_follows_a_live_file(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 
 def test_tail_stops_at_run_end_or_after_the_idle_timeout(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     log = tmp_path / "events.jsonl"
     log.write_bytes(encode(Loss(step=1, value=1.0)))

@@ -31,8 +31,11 @@ from tests.config.subs import write_toml
         ("rank = 2\nworld_size = 2", "rank 2 must be below world_size 2"),
         ('name = ""', "name must be a non-empty string"),
         ("stop_check_every = true", "stop_check_every must be an int >= 1, got True"),
-        ("drain_intervall = 1", "unknown option 'drain_intervall'.*did you mean 'drain_interval'"
-                                ".*known options: close_timeout, drain_interval, handle_signals"),
+        (
+            "drain_intervall = 1",
+            "unknown option 'drain_intervall'.*did you mean 'drain_interval'"
+            ".*known options: close_timeout, drain_interval, handle_signals",
+        ),
         ("bus = 1", "unknown option 'bus'"),
     ],
 )

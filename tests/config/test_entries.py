@@ -46,8 +46,9 @@ def test_spec_builds_builtins_and_paths(tmp_path: Path) -> None:
     assert c.tag == "x"
     assert subscriber_from_spec("tests.config.subs:on_loss") is on_loss  # a function of one event
     assert subscriber_from_spec("tests.config.subs:READY") is READY  # an object: used as is
-    assert [b.subscriber for b in subscribers_from_config(["tests.config.subs:READY"], rank=0)] \
-        == [READY]
+    assert [b.subscriber for b in subscribers_from_config(["tests.config.subs:READY"], rank=0)] == [
+        READY
+    ]
     assert isinstance(subscriber_from_spec("tb:" + str(tmp_path / "tb")).ranks, tuple)
 
 
@@ -73,11 +74,15 @@ def test_bad_specs_say_what_to_fix(spec: str, message: str) -> None:
 @pytest.mark.parametrize(
     ("entries", "message"),
     [
-        ([{"factory": "jsonl", "polcy": "block"}],
-         r"entry 1.*unknown key\(s\) 'polcy'; allowed: factory"),
+        (
+            [{"factory": "jsonl", "polcy": "block"}],
+            r"entry 1.*unknown key\(s\) 'polcy'; allowed: factory",
+        ),
         ([{"args": ["x"]}], "entry 1: 'factory' is required"),
-        (["divergence", {"factory": "divergence", "policy": "sometimes"}],
-         "entry 2 .*policy 'sometimes' is not one of block"),
+        (
+            ["divergence", {"factory": "divergence", "policy": "sometimes"}],
+            "entry 2 .*policy 'sometimes' is not one of block",
+        ),
         ([{"factory": "divergence", "ranks": ["0"]}], "ranks must be a list of ranks"),
         ([{"factory": "divergence", "placement": "gpu"}], "placement 'gpu'"),
         ([{"factory": "divergence", "events": ["Loss", "Losss"]}], "unknown event type 'Losss'"),
@@ -93,8 +98,11 @@ def test_bad_entries(entries: list[Any], message: str) -> None:
 
 def test_relative_import_path_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(SUBSCRIBERS_ENV, ".relative:x")
-    with pytest.raises(ConfigError, match=r"EVENTBUS_SUBSCRIBERS entry 1 \('\.relative:x'\): "
-                       r".*not an absolute module name \(relative imports"):
+    with pytest.raises(
+        ConfigError,
+        match=r"EVENTBUS_SUBSCRIBERS entry 1 \('\.relative:x'\): "
+        r".*not an absolute module name \(relative imports",
+    ):
         load_config()
 
 
@@ -113,8 +121,11 @@ def test_module_failing_at_import_is_a_config_error(
 ) -> None:
     name = write_module(tmp_path, monkeypatch, f"cfg_bad_{abs(hash(body))}", body)
     monkeypatch.setenv(SUBSCRIBERS_ENV, f"divergence; {name}:make")
-    with pytest.raises(ConfigError, match=rf"EVENTBUS_SUBSCRIBERS entry 2 \('{name}:make'\): "
-                       rf".*{name}.*{message}"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"EVENTBUS_SUBSCRIBERS entry 2 \('{name}:make'\): "
+        rf".*{name}.*{message}",
+    ):
         load_config()
 
 
@@ -129,8 +140,10 @@ def test_keyboard_interrupt_at_import_is_not_swallowed(
 def test_factory_raising_system_exit_is_a_config_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    name = write_module(tmp_path, monkeypatch, "cfg_exits",
-                   "import sys\ndef make():\n    sys.exit('no')\n")
-    with pytest.raises(ConfigError,
-                       match=r"entry 1 \('cfg_exits:make'\): building make\(\) failed: SystemExit"):
+    name = write_module(
+        tmp_path, monkeypatch, "cfg_exits", "import sys\ndef make():\n    sys.exit('no')\n"
+    )
+    with pytest.raises(
+        ConfigError, match=r"entry 1 \('cfg_exits:make'\): building make\(\) failed: SystemExit"
+    ):
         subscribers_from_config([f"{name}:make"])

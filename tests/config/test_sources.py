@@ -26,8 +26,14 @@ from tests.config.subs import write_module, write_toml
 
 def test_env_json_with_options(monkeypatch: pytest.MonkeyPatch) -> None:
     entries = [
-        {"factory": "tests.config.subs:Collector", "kwargs": {"tag": "a"}, "policy": "block",
-         "events": ["Loss"], "name": "first", "maxsize": 5},
+        {
+            "factory": "tests.config.subs:Collector",
+            "kwargs": {"tag": "a"},
+            "policy": "block",
+            "events": ["Loss"],
+            "name": "first",
+            "maxsize": 5,
+        },
         {"factory": "tests.config.subs:Collector", "ranks": [1]},
     ]
     monkeypatch.setenv(SUBSCRIBERS_ENV, json.dumps(entries))
@@ -49,7 +55,10 @@ def test_env_spec_list_and_rank_defaults(monkeypatch: pytest.MonkeyPatch, tmp_pa
     )
     on0 = subscribers_from_config(rank=0)
     assert [type(b.subscriber).__name__ for b in on0] == [
-        "JsonlWriter", "TensorBoardSink", "RankZeroOnly"]
+        "JsonlWriter",
+        "TensorBoardSink",
+        "RankZeroOnly",
+    ]
     for b in on0:
         if hasattr(b.subscriber, "on_close"):
             b.subscriber.on_close()
@@ -60,7 +69,7 @@ def test_env_spec_list_and_rank_defaults(monkeypatch: pytest.MonkeyPatch, tmp_pa
 def test_env_config_toml_and_bus_options(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     toml = tmp_path / "eventbus.toml"
     toml.write_text(
-        '[bus]\nstop_check_every = 7\ndrain_interval = 0.003\n\n'
+        "[bus]\nstop_check_every = 7\ndrain_interval = 0.003\n\n"
         '[[subscribers]]\nfactory = "tests.config.subs:Collector"\nargs = ["t"]\n'
         'events = "Loss"\n'
     )
@@ -80,9 +89,15 @@ def test_env_config_toml_and_bus_options(monkeypatch: pytest.MonkeyPatch, tmp_pa
 
 
 def test_process_placement_from_config(tmp_path: Path) -> None:
-    doc = {"subscribers": [{"factory": "tests.process.subs:Tally",
-                            "kwargs": {"path": str(tmp_path / "steps")},
-                            "placement": "process"}]}
+    doc = {
+        "subscribers": [
+            {
+                "factory": "tests.process.subs:Tally",
+                "kwargs": {"path": str(tmp_path / "steps")},
+                "placement": "process",
+            }
+        ]
+    }
     built = subscribers_from_config(doc)
     sub = built[0].subscriber
     assert isinstance(sub, ProcessSubscriber)  # built in the child: nothing pickled
@@ -116,8 +131,10 @@ def test_bad_env_and_files(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
     with pytest.raises(ConfigError, match=r"unknown top-level key\(s\) 'subscriber'"):
         load_config(top)
     two = tmp_path / "two.toml"
-    two.write_text('[[subscribers]]\nfactory = "divergence"\n\n'
-                   '[[subscribers]]\nfactory = "divergence"\nranks = "all"\n')
+    two.write_text(
+        '[[subscribers]]\nfactory = "divergence"\n\n'
+        '[[subscribers]]\nfactory = "divergence"\nranks = "all"\n'
+    )
     with pytest.raises(ConfigError, match=r"two.toml subscribers #2 \('divergence'\): ranks"):
         load_config(two)
     opts = tmp_path / "opts.toml"
@@ -151,8 +168,11 @@ def test_two_sources_disagreeing_on_a_bus_option(
 ) -> None:
     path = write_toml(tmp_path, "[bus]\ndrain_interval = 0.01\n")
     monkeypatch.setenv(SUBSCRIBERS_ENV, json.dumps({"bus": {"drain_interval": 0.05}}))
-    with pytest.raises(ConfigError, match=r"EVENTBUS_SUBSCRIBERS \[bus\]: drain_interval = 0.05 "
-                       r"contradicts .*eventbus.toml's 0.01; set it in one place"):
+    with pytest.raises(
+        ConfigError,
+        match=r"EVENTBUS_SUBSCRIBERS \[bus\]: drain_interval = 0.05 "
+        r"contradicts .*eventbus.toml's 0.01; set it in one place",
+    ):
         bus_from_config(path)
 
 
@@ -162,15 +182,24 @@ def test_nothing_named_is_imported_before_the_whole_config_is_checked(
     """Guarantee 6: a bad [bus] table fails before any subscriber module runs, and a path that
     appears only as an argument value is never imported."""
     marker = tmp_path / "imported"
-    name = write_module(tmp_path, monkeypatch, "cfg_marks",
-                   f"open({str(marker)!r}, 'a').write('x')\ndef make(*a, **k):\n    return a\n")
-    path = write_toml(tmp_path, f'[bus]\ndrain_interval = 0\n\n[[subscribers]]\n'
-                                f'factory = "{name}:make"\n')
+    name = write_module(
+        tmp_path,
+        monkeypatch,
+        "cfg_marks",
+        f"open({str(marker)!r}, 'a').write('x')\ndef make(*a, **k):\n    return a\n",
+    )
+    path = write_toml(
+        tmp_path, f'[bus]\ndrain_interval = 0\n\n[[subscribers]]\nfactory = "{name}:make"\n'
+    )
     with pytest.raises(ConfigError, match="drain_interval"):
         bus_from_config(path)
     assert not marker.exists()
-    load_config([f"tests.config.subs:Collector:{name}:make",
-                 {"factory": "tests.config.subs:Collector", "kwargs": {"tag": f"{name}:make"}}])
+    load_config(
+        [
+            f"tests.config.subs:Collector:{name}:make",
+            {"factory": "tests.config.subs:Collector", "kwargs": {"tag": f"{name}:make"}},
+        ]
+    )
     assert not marker.exists()
     load_config([f"{name}:make"])  # asked for: imported
     assert marker.exists()

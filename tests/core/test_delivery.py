@@ -49,8 +49,13 @@ def _make(kind: str, exc: type[BaseException]) -> Any:
         async def on_close(self) -> None:
             boom()
 
-    return {"function": boom, "sync": SyncBatch(), "async": AsyncBatch(),
-            "on_start": BadStart(), "on_close": BadClose()}[kind]
+    return {
+        "function": boom,
+        "sync": SyncBatch(),
+        "async": AsyncBatch(),
+        "on_start": BadStart(),
+        "on_close": BadClose(),
+    }[kind]
 
 
 @pytest.mark.parametrize("exc", KILLERS, ids=lambda e: e.__name__)

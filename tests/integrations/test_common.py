@@ -25,8 +25,15 @@ class Mode(enum.Enum):
 
 
 def test_jsonable_keeps_json_types_and_names_everything_else() -> None:
-    conf = {"lr": 0.1, "mode": Mode.FAST, "dir": Path("/tmp/x"), "sizes": (1, 2),
-            "nested": {3: {None}}, "t": torch.ones(2), "fn": print}
+    conf = {
+        "lr": 0.1,
+        "mode": Mode.FAST,
+        "dir": Path("/tmp/x"),
+        "sizes": (1, 2),
+        "nested": {3: {None}},
+        "t": torch.ones(2),
+        "fn": print,
+    }
     out = jsonable(conf)
     assert out["lr"] == 0.1
     assert out["mode"] == "fast"
@@ -48,8 +55,9 @@ def test_metric_passes_numbers_and_tensors_and_drops_the_rest() -> None:
     assert metric(True) is None
     assert metric("text") is None
     assert metric(None) is None
-    assert numeric_items({"a": 1, "b": "x", "c": np.float64(2.0), "loss": 3.0},
-                         skip=frozenset({"loss"})) == {"a": 1, "c": 2.0}
+    assert numeric_items(
+        {"a": 1, "b": "x", "c": np.float64(2.0), "loss": 3.0}, skip=frozenset({"loss"})
+    ) == {"a": 1, "c": 2.0}
 
 
 def test_missing_framework_error_is_one_line_naming_the_extra() -> None:

@@ -119,10 +119,16 @@ def fit(
     torch.manual_seed(0)
     logger = MemoryLogger()
     opts: dict[str, Any] = {
-        "max_steps": 30, "logger": logger, "log_every_n_steps": 1, "accelerator": "cpu",
-        "enable_progress_bar": False, "enable_model_summary": False,
-        "default_root_dir": str(tmp_path / "pl"), "limit_val_batches": 2,
-        "num_sanity_val_steps": 0, "callbacks": callbacks,
+        "max_steps": 30,
+        "logger": logger,
+        "log_every_n_steps": 1,
+        "accelerator": "cpu",
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "default_root_dir": str(tmp_path / "pl"),
+        "limit_val_batches": 2,
+        "num_sanity_val_steps": 0,
+        "callbacks": callbacks,
     }
     opts.update(overrides)
     trainer = pl.Trainer(**opts)
@@ -143,8 +149,16 @@ def test_log_holds_lightnings_steps_losses_evals_and_checkpoints(tmp_path: Path)
     events = read()
 
     assert {type(e) for e in events} >= {
-        RunStarted, EpochStarted, StepStarted, StepEnded, Loss, OptimizerStepped, EvalEnded,
-        CheckpointSaved, EpochEnded, RunEnded,
+        RunStarted,
+        EpochStarted,
+        StepStarted,
+        StepEnded,
+        Loss,
+        OptimizerStepped,
+        EvalEnded,
+        CheckpointSaved,
+        EpochEnded,
+        RunEnded,
     }
     assert trainer.global_step == 30
     assert [e.step for e in of(events, StepStarted)] == list(range(1, 31))
@@ -184,16 +198,18 @@ def test_accumulation_makes_one_step_of_several_batches(tmp_path: Path) -> None:
     read = attach_log(bus, tmp_path / "log")
     with bus:
         _trainer, module, _ = fit(
-            tmp_path, [EventBusCallback(bus, grad_norm=True)], max_steps=6,
-            accumulate_grad_batches=2, enable_checkpointing=False,
+            tmp_path,
+            [EventBusCallback(bus, grad_norm=True)],
+            max_steps=6,
+            accumulate_grad_batches=2,
+            enable_checkpointing=False,
         )
     events = read()
     assert [e.step for e in of(events, StepStarted)] == list(range(1, 7))
     assert [(e.step, e.samples) for e in of(events, StepEnded)] == [(k, 16) for k in range(1, 7)]
     raw = module.raw_losses
     for e in of(events, Loss):  # Lightning's normalised losses summed: the step's mean
-        assert math.isclose(e.value, (raw[2 * e.step - 2] + raw[2 * e.step - 1]) / 2,
-                            rel_tol=1e-5)
+        assert math.isclose(e.value, (raw[2 * e.step - 2] + raw[2 * e.step - 1]) / 2, rel_tol=1e-5)
     norms = [e.grad_norm for e in of(events, OptimizerStepped)]
     assert len(norms) == 6
     for got, want in zip(norms, module.grad_norms, strict=True):
@@ -211,7 +227,9 @@ def test_stop_request_ends_training_at_the_next_batch_end(tmp_path: Path) -> Non
     bus.subscribe(stop_at_5, events=[StepEnded], policy="block")
     with bus:
         trainer, _, _ = fit(
-            tmp_path, [EventBusCallback(bus), FlushAt(bus, 5)], enable_checkpointing=False,
+            tmp_path,
+            [EventBusCallback(bus), FlushAt(bus, 5)],
+            enable_checkpointing=False,
         )
     events = read()
     assert trainer.global_step == 6
@@ -228,7 +246,10 @@ def test_divergence_detector_stops_the_trainer_within_one_step(tmp_path: Path) -
     bus.subscribe(DivergenceDetector(action="stop"))
     with bus:
         trainer, _, _ = fit(
-            tmp_path, [EventBusCallback(bus)], Regressor(nan_at=8), enable_checkpointing=False,
+            tmp_path,
+            [EventBusCallback(bus)],
+            Regressor(nan_at=8),
+            enable_checkpointing=False,
         )
     events = read()
     assert 8 <= trainer.global_step < 30
@@ -245,8 +266,12 @@ def test_an_exception_ends_the_run_as_failed_and_closes_a_managed_bus(tmp_path: 
     bus = new_bus()
     read = attach_log(bus, tmp_path / "log")
     with pytest.raises(RuntimeError, match="boom"):
-        fit(tmp_path, [EventBusCallback(bus, manage_bus=True)], Regressor(fail_at=3),
-            enable_checkpointing=False)
+        fit(
+            tmp_path,
+            [EventBusCallback(bus, manage_bus=True)],
+            Regressor(fail_at=3),
+            enable_checkpointing=False,
+        )
     assert not bus.running
     events = read()
     (end,) = of(events, RunEnded)

@@ -108,15 +108,26 @@ def make_trainer(
 ) -> Any:
     torch.manual_seed(0)
     opts: dict[str, Any] = {
-        "output_dir": str(tmp_path / "out"), "max_steps": 30, "per_device_train_batch_size": 8,
-        "learning_rate": 0.05, "logging_steps": 1, "report_to": [], "use_cpu": True,
-        "dataloader_num_workers": 0, "save_strategy": "no", "disable_tqdm": True,
-        "log_level": "error", "label_names": ["y"],
+        "output_dir": str(tmp_path / "out"),
+        "max_steps": 30,
+        "per_device_train_batch_size": 8,
+        "learning_rate": 0.05,
+        "logging_steps": 1,
+        "report_to": [],
+        "use_cpu": True,
+        "dataloader_num_workers": 0,
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "log_level": "error",
+        "label_names": ["y"],
     }
     opts.update(overrides)
     return cls(
-        model=TinyRegressor(TinyConfig()), args=TrainingArguments(**opts),
-        train_dataset=Regression(), eval_dataset=Regression(16), callbacks=callbacks,
+        model=TinyRegressor(TinyConfig()),
+        args=TrainingArguments(**opts),
+        train_dataset=Regression(),
+        eval_dataset=Regression(16),
+        callbacks=callbacks,
     )
 
 
@@ -128,8 +139,12 @@ def test_log_holds_the_trainers_steps_losses_evals_and_checkpoints(tmp_path: Pat
     bus = new_bus()
     read = attach_log(bus, tmp_path / "log")
     trainer = make_trainer(
-        tmp_path, [EventBusCallback(bus)], eval_strategy="steps", eval_steps=15,
-        save_strategy="steps", save_steps=15,
+        tmp_path,
+        [EventBusCallback(bus)],
+        eval_strategy="steps",
+        eval_steps=15,
+        save_strategy="steps",
+        save_steps=15,
     )
     with bus:
         trainer.train()
@@ -137,8 +152,17 @@ def test_log_holds_the_trainers_steps_losses_evals_and_checkpoints(tmp_path: Pat
     history = trainer.state.log_history
 
     assert {type(e) for e in events} >= {
-        RunStarted, EpochStarted, StepStarted, StepEnded, Loss, OptimizerStepped, Scalars,
-        EvalEnded, CheckpointSaved, EpochEnded, RunEnded,
+        RunStarted,
+        EpochStarted,
+        StepStarted,
+        StepEnded,
+        Loss,
+        OptimizerStepped,
+        Scalars,
+        EvalEnded,
+        CheckpointSaved,
+        EpochEnded,
+        RunEnded,
     }
     assert all(e.rank == 0 for e in events)
     # Step k is the k-th optimizer update: the Trainer's global_step after it.
@@ -214,7 +238,10 @@ def test_divergence_detector_stops_the_trainer_within_one_step(tmp_path: Path) -
     bus.subscribe(DivergenceDetector(action="stop"))
     # logging_nan_inf_filter=False: the Trainer's default hides NaN losses from its logs.
     trainer = make_trainer(
-        tmp_path, [EventBusCallback(bus)], cls=NaNAfter, logging_nan_inf_filter=False,
+        tmp_path,
+        [EventBusCallback(bus)],
+        cls=NaNAfter,
+        logging_nan_inf_filter=False,
     )
     with bus:
         trainer.train()
@@ -242,7 +269,9 @@ def test_abort_skips_the_final_checkpoint_a_stop_keeps(tmp_path: Path) -> None:
 
         bus.subscribe(ask, events=[StepEnded], policy="block")
         trainer = make_trainer(
-            path, [EventBusCallback(bus), FlushAt(bus, 3)], save_strategy="epoch",
+            path,
+            [EventBusCallback(bus), FlushAt(bus, 3)],
+            save_strategy="epoch",
         )
         with bus:
             trainer.train()

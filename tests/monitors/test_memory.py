@@ -86,8 +86,10 @@ def test_rule_ignores_noise(sigma: float) -> None:
 def test_rule_ignores_one_off_jumps() -> None:
     """The first optimizer step allocating its state, a later eval buffer: jumps, not leaks."""
     rng = random.Random(7)
-    series = [500 + (300 if s > 30 else 0) + (200 if s > 250 else 0) + rng.gauss(0, 1)
-              for s in range(1000)]
+    series = [
+        500 + (300 if s > 30 else 0) + (200 if s > 250 else 0) + rng.gauss(0, 1)
+        for s in range(1000)
+    ]
     assert first_verdict(series) is None
 
 
@@ -128,10 +130,16 @@ def test_rule_skips_nan_and_keeps_state_across_a_checkpoint() -> None:
     assert [s for s in range(15, 30) if resumed.update(s, 1.0 * s)] == [21]
 
 
-@pytest.mark.parametrize(("kw", "match"), [
-    ({"window": 5}, "window"), ({"blocks": 2}, "blocks"), ({"min_growth_mb": 0}, "min_growth"),
-    ({"max_drop_ratio": 1.5}, "max_drop_ratio"), ({"cooldown": 0}, "cooldown"),
-])
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"window": 5}, "window"),
+        ({"blocks": 2}, "blocks"),
+        ({"min_growth_mb": 0}, "min_growth"),
+        ({"max_drop_ratio": 1.5}, "max_drop_ratio"),
+        ({"cooldown": 0}, "cooldown"),
+    ],
+)
 def test_rule_rejects_bad_settings(kw: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         LeakRule(**kw)
@@ -165,8 +173,9 @@ def run_loop(
 
 
 def of(rec: Recorder, cls: type[Event], **match: Any) -> list[Any]:
-    return [e for e in rec.got if type(e) is cls
-            and all(getattr(e, k) == v for k, v in match.items())]
+    return [
+        e for e in rec.got if type(e) is cls and all(getattr(e, k) == v for k, v in match.items())
+    ]
 
 
 def test_a_loop_that_leaks_tensors_is_flagged() -> None:
@@ -189,8 +198,9 @@ def test_a_steady_loop_is_not_flagged() -> None:
         y = x * 2
         del x, y
 
-    rec = run_loop(MemoryProfiler(leak_window=30, leak_min_growth_mb=12, leak_warmup=3), 120,
-                   steady)
+    rec = run_loop(
+        MemoryProfiler(leak_window=30, leak_min_growth_mb=12, leak_warmup=3), 120, steady
+    )
     assert of(rec, MemoryLeakSuspected) == []
     assert len(of(rec, MemorySample, phase="step")) == 120
 
@@ -273,8 +283,12 @@ def test_phase_events_without_cuda_publish_no_phase_samples() -> None:
     prof = MemoryProfiler()
     prof.on_start(bus)
     for s in range(1, 4):
-        for ev in (ForwardEnded(step=s), BackwardEnded(step=s), OptimizerStepped(step=s),
-                   StepEnded(step=s)):
+        for ev in (
+            ForwardEnded(step=s),
+            BackwardEnded(step=s),
+            OptimizerStepped(step=s),
+            StepEnded(step=s),
+        ):
             prof.on_events([ev])
     assert [e.phase for e in bus.got if isinstance(e, MemorySample)] == ["step"] * 3
 
@@ -323,21 +337,29 @@ class FakeAllocator:
         self.observers: list[Any] = []
         self.recording: list[dict[str, Any]] = []
         for name, fn in {
-            "is_available": lambda: True, "is_initialized": lambda: True,
-            "device_count": lambda: 1, "current_device": lambda: 0,
-            "memory_stats_as_nested_dict": self.stats, "reset_peak_memory_stats": self.reset,
+            "is_available": lambda: True,
+            "is_initialized": lambda: True,
+            "device_count": lambda: 1,
+            "current_device": lambda: 0,
+            "memory_stats_as_nested_dict": self.stats,
+            "reset_peak_memory_stats": self.reset,
         }.items():
             monkeypatch.setattr(torch.cuda, name, fn)
-        monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
-                            lambda **kw: self.recording.append(kw))
+        monkeypatch.setattr(
+            torch.cuda.memory, "_record_memory_history", lambda **kw: self.recording.append(kw)
+        )
         monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", self.dump)
-        monkeypatch.setattr(torch._C, "_cuda_attach_out_of_memory_observer",
-                            self.observers.append, raising=False)
+        monkeypatch.setattr(
+            torch._C, "_cuda_attach_out_of_memory_observer", self.observers.append, raising=False
+        )
 
     def stats(self, device: int) -> dict[str, Any]:
-        return {"allocated_bytes": {"all": {"current": self.cur, "peak": self.peak}},
-                "reserved_bytes": {"all": {"current": 2 * self.peak}},
-                "num_alloc_retries": 0, "num_ooms": self.ooms}
+        return {
+            "allocated_bytes": {"all": {"current": self.cur, "peak": self.peak}},
+            "reserved_bytes": {"all": {"current": 2 * self.peak}},
+            "num_alloc_retries": 0,
+            "num_ooms": self.ooms,
+        }
 
     def reset(self, device: int) -> None:
         self.peak = self.cur

@@ -102,8 +102,11 @@ def run_steps(prof: MemoryProfiler, steps: int, body: Callable[[int, EventBus], 
 
 
 def samples(rec: Recorder, phase: str) -> dict[int, MemorySample]:
-    return {e.step: e for e in rec.got if isinstance(e, MemorySample) and e.phase == phase
-            and e.step is not None}
+    return {
+        e.step: e
+        for e in rec.got
+        if isinstance(e, MemorySample) and e.phase == phase and e.step is not None
+    }
 
 
 def test_per_step_figures_and_a_peak_reset_every_step() -> None:
@@ -177,7 +180,8 @@ def test_snapshot_on_the_training_thread_never_syncs() -> None:
     assert snap.source == "training"
     assert snap.allocated_mb == pytest.approx(torch.cuda.memory_allocated() / MB, abs=1.0)
     assert [e.source for e in rec.got if isinstance(e, MemorySample) and e.phase == "step"] == [
-        "training"]
+        "training"
+    ]
     del x
 
 
@@ -187,10 +191,10 @@ def test_a_cuda_leak_is_flagged_on_allocated_memory() -> None:
     def leak(step: int, bus: EventBus) -> None:
         kept.append(cuda_bytes(MiB))
 
-    rec = run_steps(MemoryProfiler(leak_window=30, leak_min_growth_mb=12, leak_warmup=3), 60,
-                    leak)
-    leaks = [e for e in rec.got if isinstance(e, MemoryLeakSuspected)
-             and e.metric == "allocated_mb"]
+    rec = run_steps(MemoryProfiler(leak_window=30, leak_min_growth_mb=12, leak_warmup=3), 60, leak)
+    leaks = [
+        e for e in rec.got if isinstance(e, MemoryLeakSuspected) and e.metric == "allocated_mb"
+    ]
     assert len(leaks) == 1
     assert leaks[0].rate_mb_per_step == pytest.approx(1.0, rel=0.1)
 
@@ -200,8 +204,9 @@ def test_a_steady_cuda_loop_is_not_flagged() -> None:
         t = cuda_bytes((1 + step % 4) * 8 * MiB)
         del t
 
-    rec = run_steps(MemoryProfiler(leak_window=30, leak_min_growth_mb=12, leak_warmup=3), 80,
-                    steady)
+    rec = run_steps(
+        MemoryProfiler(leak_window=30, leak_min_growth_mb=12, leak_warmup=3), 80, steady
+    )
     assert [e for e in rec.got if isinstance(e, MemoryLeakSuspected)] == []
 
 
@@ -234,8 +239,7 @@ def test_an_oom_inside_with_bus_without_a_guard_is_dumped(tmp_path: Path) -> Non
     rec = Recorder(events=(MemorySnapshotSaved,))
     bus = EventBus(drain_interval=0.002)
     bus.subscribe(rec)
-    bus.subscribe(MemoryProfiler(record_history=True, max_entries=10_000,
-                                 snapshot_dir=tmp_path))
+    bus.subscribe(MemoryProfiler(record_history=True, max_entries=10_000, snapshot_dir=tmp_path))
     with pytest.raises(torch.OutOfMemoryError), bus:
         cuda_bytes(1 << 50)
     saved: list[Event] = [e for e in rec.got if isinstance(e, MemorySnapshotSaved)]

@@ -21,8 +21,9 @@ def feed(mon: SpeedMonitor, events: list[StepEnded]) -> list[dict[str, float]]:
 
 def test_from_duration_samples_tokens_and_mfu() -> None:
     mon = SpeedMonitor(every=10, flops_per_step=2e12, peak_flops=1e14)
-    out = feed(mon, [StepEnded(step=s, duration_s=0.1, samples=32, tokens=4096)
-                     for s in range(1, 21)])
+    out = feed(
+        mon, [StepEnded(step=s, duration_s=0.1, samples=32, tokens=4096) for s in range(1, 21)]
+    )
     assert len(out) == 2  # steps 10 and 20
     v = out[-1]
     assert v["speed/step_time_s"] == pytest.approx(0.1)
@@ -84,16 +85,19 @@ def test_restarts_when_steps_go_back() -> None:
     assert v["speed/step_time_s"] == pytest.approx(0.1)
 
 
-@pytest.mark.parametrize(("kw", "match"), [
-    ({"every": 0}, "every"),
-    ({"window": 0}, "window"),
-    ({"warmup_steps": -1}, "warmup_steps"),
-    ({"flops_per_step": 1e12}, "peak_flops"),
-    ({"peak_flops": 1e15}, "peak_flops"),
-    ({"flops_per_step": 1.0, "flops_per_token": 1.0, "peak_flops": 1.0}, "not both"),
-    ({"flops_per_step": -1.0, "peak_flops": 1.0}, "positive"),
-    ({"flops_per_step": float("nan"), "peak_flops": 1.0}, "positive"),
-])
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"every": 0}, "every"),
+        ({"window": 0}, "window"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"flops_per_step": 1e12}, "peak_flops"),
+        ({"peak_flops": 1e15}, "peak_flops"),
+        ({"flops_per_step": 1.0, "flops_per_token": 1.0, "peak_flops": 1.0}, "not both"),
+        ({"flops_per_step": -1.0, "peak_flops": 1.0}, "positive"),
+        ({"flops_per_step": float("nan"), "peak_flops": 1.0}, "positive"),
+    ],
+)
 def test_bad_settings_fail_where_made(kw: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         SpeedMonitor(**kw)
@@ -111,7 +115,12 @@ def test_publishes_scalars_on_a_bus_every_n_steps_and_at_close() -> None:
     got = [e for e in rec.got if isinstance(e, Scalars)]
     assert [e.step for e in got] == [5, 10, 12]
     for e in got:
-        assert set(e.values) >= {"speed/step_time_s", "speed/steps_per_s", "speed/samples_per_s",
-                                 "speed/tokens_per_s", "speed/mfu"}
+        assert set(e.values) >= {
+            "speed/step_time_s",
+            "speed/steps_per_s",
+            "speed/samples_per_s",
+            "speed/tokens_per_s",
+            "speed/mfu",
+        }
         assert e.values["speed/mfu"] == pytest.approx(0.1)
         assert e.values["speed/tokens_per_s"] == pytest.approx(51_200)

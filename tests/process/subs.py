@@ -21,8 +21,13 @@ class Tally:
     policy = "block"
     events = (Loss,)
 
-    def __init__(self, path: str, fail_on: int | None = None, die_on: int | None = None,
-                 hang_on: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        fail_on: int | None = None,
+        die_on: int | None = None,
+        hang_on: int | None = None,
+    ) -> None:
         self.path = path
         self.fail_on, self.die_on, self.hang_on = fail_on, die_on, hang_on
         self.bus: BusHandle | None = None
@@ -63,7 +68,8 @@ def on_one(ev: Event) -> None:
 
 
 _RAISE: dict[str, type[BaseException]] = {
-    "SystemExit": SystemExit, "KeyboardInterrupt": KeyboardInterrupt,
+    "SystemExit": SystemExit,
+    "KeyboardInterrupt": KeyboardInterrupt,
     "GeneratorExit": GeneratorExit,
 }
 
@@ -74,8 +80,9 @@ class Raiser:
     policy = "block"
     events = (Loss,)
 
-    def __init__(self, path: str, what: str, on: tuple[int, ...] = (), where: str = "",
-                 sync: bool = False) -> None:
+    def __init__(
+        self, path: str, what: str, on: tuple[int, ...] = (), where: str = "", sync: bool = False
+    ) -> None:
         self.path, self.what, self.on, self.where, self.sync = path, what, on, where, sync
 
     def _maybe(self, where: str) -> None:
@@ -149,13 +156,19 @@ class Handle:
 
         bus = self.bus
         bus.control.request_abort("enough", step=batch[0].step)
-        bus.publish(Scalars(step=batch[0].step, values={
-            "is_handle": float(isinstance(bus, BusHandle)),
-            "real_control": float(type(bus.control) is Control),
-            "should_stop": float(bus.should_stop),
-            "rank": float(bus.rank), "world_size": float(bus.world_size),
-            "local_rank": float(bus.local_rank),
-        }))
+        bus.publish(
+            Scalars(
+                step=batch[0].step,
+                values={
+                    "is_handle": float(isinstance(bus, BusHandle)),
+                    "real_control": float(type(bus.control) is Control),
+                    "should_stop": float(bus.should_stop),
+                    "rank": float(bus.rank),
+                    "world_size": float(bus.world_size),
+                    "local_rank": float(bus.local_rank),
+                },
+            )
+        )
 
 
 def steps_in(path: Path) -> list[int]:

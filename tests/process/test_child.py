@@ -56,8 +56,7 @@ def test_base_exception_in_on_events_fails_that_batch_and_the_child_goes_on(
 
 def test_repeated_system_exit_from_a_function_is_counted_per_batch(new_bus: NewBus) -> None:
     bus = new_bus()
-    h = bus.subscribe(exit_on_even, events=[Loss], placement="process", policy="block",
-                      max_batch=1)
+    h = bus.subscribe(exit_on_even, events=[Loss], placement="process", policy="block", max_batch=1)
     with bus:
         for i in range(20):
             bus.publish(Loss(step=i, value=1.0))
@@ -112,8 +111,9 @@ def test_a_function_returning_a_coroutine_has_it_awaited_in_the_child(
     new_bus: NewBus, tmp_path: Path
 ) -> None:
     bus = new_bus()
-    h = bus.subscribe(ReturnsCoroutine(str(tmp_path / "s")), events=[Loss],
-                      placement="process", policy="block")
+    h = bus.subscribe(
+        ReturnsCoroutine(str(tmp_path / "s")), events=[Loss], placement="process", policy="block"
+    )
     with bus:
         for i in range(5):
             bus.publish(Loss(step=i, value=1.0))
@@ -130,8 +130,14 @@ def test_child_bus_is_a_bus_handle_with_the_one_control(new_bus: NewBus) -> None
         bus.publish(Loss(step=3, value=1.0))
         assert bus.flush(timeout=30)
     (report,) = [e for e in seen.got if isinstance(e, Scalars)]
-    assert report.values == {"is_handle": 1.0, "real_control": 1.0, "should_stop": 1.0,
-                             "rank": 0.0, "world_size": 1.0, "local_rank": 0.0}
+    assert report.values == {
+        "is_handle": 1.0,
+        "real_control": 1.0,
+        "should_stop": 1.0,
+        "rank": 0.0,
+        "world_size": 1.0,
+        "local_rank": 0.0,
+    }
     assert bus.control.should_abort  # the child's request reached the parent's control
     assert bus.control.reason == "enough"
     (stop,) = [e for e in seen.got if isinstance(e, StopRequested)]  # published once, here

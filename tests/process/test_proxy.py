@@ -61,8 +61,9 @@ def test_exception_is_counted_like_in_thread(
         bus = new_bus()
         other = Recorder(events=[Loss])
         bus.subscribe(other)
-        h = bus.subscribe(Tally(str(tmp_path / placement), fail_on=10), placement=placement,
-                          max_batch=1)
+        h = bus.subscribe(
+            Tally(str(tmp_path / placement), fail_on=10), placement=placement, max_batch=1
+        )
         with caplog.at_level(logging.WARNING, logger="eventbus"), bus:
             for i in range(40):
                 bus.publish(Loss(step=i, value=1.0))
@@ -77,8 +78,9 @@ def test_exception_is_counted_like_in_thread(
     assert p.error.startswith("RemoteError: ValueError: bad step 10")
     assert "event type Loss" in p.error
     assert "child traceback" in p.error
-    assert any("subscriber failed" in r.getMessage() and "Loss" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "subscriber failed" in r.getMessage() and "Loss" in r.getMessage() for r in caplog.records
+    )
 
 
 def test_import_path_is_built_in_the_child(new_bus: NewBus, tmp_path: Path) -> None:

@@ -68,20 +68,21 @@ def test_subscriber_defined_in_the_script(tmp_path: Path, guarded: bool) -> None
     call = 'if __name__ == "__main__":\n    main()' if guarded else "main()"
     script = tmp_path / "train.py"
     script.write_text(SCRIPT.format(root=str(ROOT), call=call))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=90, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=90, check=False
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     if guarded:  # imported as __mp_main__ in the child: its class unpickles, main() does not run
         assert "delivered 5 echoed 5 closed" in proc.stdout, proc.stdout + proc.stderr[-2000:]
     else:  # the child would run the training again: it refuses, and says what to do
         assert "delivered 0" in proc.stdout, proc.stdout + proc.stderr[-2000:]
-        assert 'guard the script\'s training code with `if __name__ == "__main__":`' \
-            in proc.stdout
+        assert 'guard the script\'s training code with `if __name__ == "__main__":`' in proc.stdout
 
 
 def test_child_dies_when_parent_is_killed(tmp_path: Path) -> None:
     script = tmp_path / "parent.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(ROOT)!r})
         from eventbus import EventBus
@@ -95,7 +96,8 @@ def test_child_dies_when_parent_is_killed(tmp_path: Path) -> None:
             sub.wait_ready(60)
             print(sub.pid, flush=True)
             time.sleep(120)
-    """))
+    """)
+    )
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         assert parent.stdout is not None
@@ -112,10 +114,15 @@ def test_child_dies_when_parent_is_killed(tmp_path: Path) -> None:
 
 
 def test_kill_ends_a_child_that_ignores_sigterm() -> None:
-    popen = subprocess.Popen([sys.executable, "-c",
-                              "import signal, sys, time; signal.signal(signal.SIGTERM, "
-                              "signal.SIG_IGN); print(1, flush=True); time.sleep(60)"],
-                             stdout=subprocess.PIPE)
+    popen = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal, sys, time; signal.signal(signal.SIGTERM, "
+            "signal.SIG_IGN); print(1, flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+    )
     child = spawn.Child(popen)
     assert popen.stdout is not None
     popen.stdout.readline()  # SIGTERM is ignored from here on

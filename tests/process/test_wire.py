@@ -13,8 +13,10 @@ from eventbus.process import wire
 
 
 def test_pack_round_trip_keeps_types_and_unknowns() -> None:
-    evs: list[Event] = [Loss(step=1, value=float("nan"), ts=5, seq=1, rank=0),
-                        Scalars(step=2, values={"a": 1.0})]
+    evs: list[Event] = [
+        Loss(step=1, value=float("nan"), ts=5, seq=1, rank=0),
+        Scalars(step=2, values={"a": 1.0}),
+    ]
     out = wire.unpack(wire.pack(evs))
     assert [type(e) for e in out] == [Loss, Scalars]
     assert out[1].values == {"a": 1.0}  # type: ignore[attr-defined]
@@ -50,8 +52,9 @@ def test_an_event_module_that_exits_on_import_only_makes_the_type_unknown(
 
 def test_reply_carries_events_and_control_requests() -> None:
     req = StopRequested(step=7, reason="diverged", abort=True, source="div")
-    reply = wire.decode_reply(wire.encode_reply(
-        "boom", {"k": 1}, published=[Loss(step=1, value=0.5)], requests=[req]))
+    reply = wire.decode_reply(
+        wire.encode_reply("boom", {"k": 1}, published=[Loss(step=1, value=0.5)], requests=[req])
+    )
     assert reply["error"] == "boom"
     assert reply["value"] == {"k": 1}
     assert reply["published"] is not None
@@ -62,7 +65,13 @@ def test_reply_carries_events_and_control_requests() -> None:
 
 
 def test_start_record_round_trip() -> None:
-    info: wire.StartInfo = {"rank": 1, "world_size": 4, "local_rank": 1, "name": "x",
-                            "main": ("path", "/tmp/train.py"), "nice": 10}
+    info: wire.StartInfo = {
+        "rank": 1,
+        "world_size": 4,
+        "local_rank": 1,
+        "name": "x",
+        "main": ("path", "/tmp/train.py"),
+        "nice": 10,
+    }
     target: wire.Target = ("factory", ("pkg.mod:make", (1,), {"k": 2}))
     assert wire.decode_start(wire.encode_start(target, 123, info)) == (target, 123, info)

@@ -74,8 +74,12 @@ def test_detections_and_run_end_are_printed() -> None:
     out = io.StringIO()
     p = ConsoleProgress(stream=out, force=True, refresh_interval=0, use_tqdm=False)
     _feed(p, total=10, steps=2)
-    p.on_events([DivergenceDetected(step=2, value=9.0, baseline=1.0, reason="spike"),
-                 RunEnded(status="stopped", reason="diverged")])
+    p.on_events(
+        [
+            DivergenceDetected(step=2, value=9.0, baseline=1.0, reason="spike"),
+            RunEnded(status="stopped", reason="diverged"),
+        ]
+    )
     p.on_close()
     text = out.getvalue()
     assert "DivergenceDetected at step 2" in text

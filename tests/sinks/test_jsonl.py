@@ -203,7 +203,8 @@ def test_dev_full_marks_the_sink_failed_and_the_rest_goes_on(
 
 
 def test_disk_full_mid_run_keeps_what_was_written_and_counts_the_rest(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     w = JsonlWriter(tmp_path)
     real_write = os.write
@@ -284,7 +285,8 @@ def test_oversize_line_becomes_a_counted_marker(tmp_path: Path) -> None:
 
 
 def test_unserialisable_field_is_counted_logged_and_the_batch_goes_on(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     w = JsonlWriter(tmp_path)
     bus = _bus()
@@ -341,7 +343,9 @@ def test_without_interval_each_batch_is_on_disk_before_close(tmp_path: Path) -> 
 
 @pytest.mark.parametrize("fsync", [True, False])
 def test_optional_fsync_at_close(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fsync: bool,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    fsync: bool,
 ) -> None:
     synced: list[str] = []
     real = os.fsync
@@ -417,12 +421,22 @@ class _ToListRaises:
         raise RuntimeError("cannot convert")
 
 
-@pytest.mark.parametrize("bad", [
-    lambda: _deep(600), lambda: _deep(5000), _cyclic, _ToListRaises, lambda: {1, 2},
-    lambda: 2**70, lambda: {(1, 2): 1.0},
-], ids=["deep600", "deep5000", "cyclic", "tolist-raises", "set", "bigint", "tuple-key"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda: _deep(600),
+        lambda: _deep(5000),
+        _cyclic,
+        _ToListRaises,
+        lambda: {1, 2},
+        lambda: 2**70,
+        lambda: {(1, 2): 1.0},
+    ],
+    ids=["deep600", "deep5000", "cyclic", "tolist-raises", "set", "bigint", "tuple-key"],
+)
 def test_one_bad_payload_skips_exactly_itself_and_the_batch_goes_on(
-    tmp_path: Path, bad: Any,
+    tmp_path: Path,
+    bad: Any,
 ) -> None:
     w = JsonlWriter(tmp_path)
     bus = _bus()
@@ -436,7 +450,10 @@ def test_one_bad_payload_skips_exactly_itself_and_the_batch_goes_on(
     markers = [d for d in _lines(w.path) if d["type"] == "eventbus.skipped"]
     assert len(markers) == 1
     assert (markers[0]["event_type"], markers[0]["field"], markers[0]["step"]) == (
-        "Opaque", "thing", 1)
+        "Opaque",
+        "thing",
+        1,
+    )
     assert "Opaque.thing" in markers[0]["error"]
     st = w.stats()
     assert (st.skipped_unserialisable, st.lines_lost, st.lines_written) == (1, 0, 502)

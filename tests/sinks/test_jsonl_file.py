@@ -44,10 +44,19 @@ def test_resume_keeps_late_lines_of_earlier_steps(tmp_path: Path) -> None:
             bus.publish(Loss(step=s, value=1.0))
         bus.publish(EvalEnded(step=3, metrics={"loss": 0.5}))  # a late eval of step 3
     w2 = _write_run(tmp_path, range(5, 6), resume_from_step=4)
-    kinds = [(d["type"], d.get("step")) for d in _lines(w2.path)
-             if not d["type"].startswith("eventbus.")]
-    assert kinds == [("RunStarted", None), ("Loss", 1), ("Loss", 2), ("Loss", 3), ("Loss", 4),
-                     ("EvalEnded", 3), ("Loss", 5), ("StepEnded", 5)]
+    kinds = [
+        (d["type"], d.get("step")) for d in _lines(w2.path) if not d["type"].startswith("eventbus.")
+    ]
+    assert kinds == [
+        ("RunStarted", None),
+        ("Loss", 1),
+        ("Loss", 2),
+        ("Loss", 3),
+        ("Loss", 4),
+        ("EvalEnded", 3),
+        ("Loss", 5),
+        ("StepEnded", 5),
+    ]
 
 
 def test_torn_last_line_repaired_when_appending(tmp_path: Path) -> None:
@@ -72,8 +81,7 @@ class _Disk:
         monkeypatch.setattr(os, "write", self.write)
 
     def write(self, fd: int, data: Any) -> int:
-        if self.room is None or os.path.realpath(f"/proc/self/fd/{fd}") != str(
-                self.path.resolve()):
+        if self.room is None or os.path.realpath(f"/proc/self/fd/{fd}") != str(self.path.resolve()):
             return self.real(fd, data)
         if self.room <= 0:
             raise OSError(errno.ENOSPC, "No space left on device")
@@ -87,7 +95,9 @@ def _losses(start: int, n: int) -> list[Event]:
 
 
 def test_held_lines_lost_at_a_later_write_are_counted_and_raised(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     w = JsonlWriter(tmp_path, flush_interval=3600)
     disk = _Disk(monkeypatch, w.path)
@@ -111,7 +121,8 @@ def test_held_lines_lost_at_a_later_write_are_counted_and_raised(
 
 
 def test_a_partial_write_leaves_whole_lines_and_exact_counts(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     w = JsonlWriter(tmp_path, flush_interval=3600)
     disk = _Disk(monkeypatch, w.path)
@@ -129,8 +140,7 @@ def test_a_partial_write_leaves_whole_lines_and_exact_counts(
     st = w.stats()
     assert 0 < st.lines_written < 1000
     assert steps == list(range(st.lines_written))
-    assert (st.lines_lost, st.lines_lost_held) == (1001 - st.lines_written,
-                                                   1000 - st.lines_written)
+    assert (st.lines_lost, st.lines_lost_held) == (1001 - st.lines_written, 1000 - st.lines_written)
     stats = _lines(w.path)[-1]
     assert stats["type"] == "eventbus.stats"
     assert stats["writer"]["lines_lost"] == st.lines_lost

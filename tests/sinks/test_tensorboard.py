@@ -57,22 +57,28 @@ def test_every_loss_scalar_with_its_step_zeros_included_on_disk_after_close(
     tmp_path: Path,
 ) -> None:
     # flush_secs far longer than the run: only close() can have put these on disk
-    _run(tmp_path, [Loss(step=s, value=v) for s, v in ((1, 2.5), (2, 0.0), (3, 1.25))],
-         flush_secs=3600)
+    _run(
+        tmp_path,
+        [Loss(step=s, value=v) for s, v in ((1, 2.5), (2, 0.0), (3, 1.25))],
+        flush_secs=3600,
+    )
     acc = _read(tmp_path)
     assert _scalars(acc, "train/loss") == [(1, 2.5), (2, 0.0), (3, 1.25)]
 
 
 def test_catalogue_scalars_and_tags(tmp_path: Path) -> None:
-    _run(tmp_path, [
-        RunStarted(config={"lr": 0.1, "layers": 2}, total_steps=2),
-        Loss(step=1, value=1.0, split="eval"),
-        Scalars(step=1, values={"acc": 0.5, "zero": 0}),
-        OptimizerStepped(step=1, lr=0.1, grad_norm=0.0),
-        EvalEnded(step=1, metrics={"loss": 0.75}),
-        MemorySample(step=1, rss_mb=123.0, allocated_mb=0.0),
-        StepEnded(step=1, duration_s=0.5, samples=64, tokens=1000),
-    ])
+    _run(
+        tmp_path,
+        [
+            RunStarted(config={"lr": 0.1, "layers": 2}, total_steps=2),
+            Loss(step=1, value=1.0, split="eval"),
+            Scalars(step=1, values={"acc": 0.5, "zero": 0}),
+            OptimizerStepped(step=1, lr=0.1, grad_norm=0.0),
+            EvalEnded(step=1, metrics={"loss": 0.75}),
+            MemorySample(step=1, rss_mb=123.0, allocated_mb=0.0),
+            StepEnded(step=1, duration_s=0.5, samples=64, tokens=1000),
+        ],
+    )
     acc = _read(tmp_path)
     assert _scalars(acc, "eval/loss") == [(1, 1.0), (1, 0.75)]
     assert _scalars(acc, "acc") == [(1, 0.5)]
@@ -92,12 +98,20 @@ def test_catalogue_scalars_and_tags(tmp_path: Path) -> None:
 def test_tensor_stats_histograms(tmp_path: Path) -> None:
     import torch
 
-    _run(tmp_path, [
-        TensorStats(step=1, name="fc.weight", kind="weights", norm=2.0,
-                    histogram={"counts": [1, 2, 3], "edges": [0.0, 1.0, 2.0, 3.0]}),
-        TensorStats(step=2, name="fc.bias", kind="grads", histogram=torch.arange(10.0)),
-        TensorStats(step=3, name="no.hist", kind="weights", norm=1.0),
-    ])
+    _run(
+        tmp_path,
+        [
+            TensorStats(
+                step=1,
+                name="fc.weight",
+                kind="weights",
+                norm=2.0,
+                histogram={"counts": [1, 2, 3], "edges": [0.0, 1.0, 2.0, 3.0]},
+            ),
+            TensorStats(step=2, name="fc.bias", kind="grads", histogram=torch.arange(10.0)),
+            TensorStats(step=3, name="no.hist", kind="weights", norm=1.0),
+        ],
+    )
     acc = _read(tmp_path)
     h = acc.Histograms("weights/fc.weight")[0]
     assert h.step == 1
@@ -131,10 +145,13 @@ def test_subclasses_of_catalogue_events_are_written_like_their_base(tmp_path: Pa
 
 
 def test_divergence_as_text_and_marker_scalar(tmp_path: Path) -> None:
-    _run(tmp_path, [
-        Loss(step=7, value=1.0),
-        DivergenceDetected(step=7, metric="loss", value=50.0, baseline=1.0, reason="spike"),
-    ])
+    _run(
+        tmp_path,
+        [
+            Loss(step=7, value=1.0),
+            DivergenceDetected(step=7, metric="loss", value=50.0, baseline=1.0, reason="spike"),
+        ],
+    )
     acc = _read(tmp_path)
     assert _scalars(acc, "divergence/marker") == [(7, 1.0)]
     ev = acc.Tensors("divergence/detected/text_summary")[0]
@@ -150,9 +167,14 @@ def test_purge_step_on_resume_hides_steps_after_the_checkpoint(tmp_path: Path) -
 
 
 def test_checkpoint_loaded_and_load_state_dict_purge_too(tmp_path: Path) -> None:
-    _run(tmp_path / "a", [*(Loss(step=s, value=1.0) for s in range(1, 6)),
-                          CheckpointLoaded(step=2, path="c.pt"),
-                          *(Loss(step=s, value=3.0) for s in range(3, 5))])
+    _run(
+        tmp_path / "a",
+        [
+            *(Loss(step=s, value=1.0) for s in range(1, 6)),
+            CheckpointLoaded(step=2, path="c.pt"),
+            *(Loss(step=s, value=3.0) for s in range(3, 5)),
+        ],
+    )
     got = _scalars(_read(tmp_path / "a"), "train/loss")
     assert got == [(1, 1.0), (2, 1.0), (3, 3.0), (4, 3.0)]
 
@@ -166,8 +188,7 @@ def test_checkpoint_loaded_and_load_state_dict_purge_too(tmp_path: Path) -> None
     bus.load_state_dict({"tensorboard": {"step": 3}})
     with bus:
         bus.publish(Loss(step=4, value=9.0))
-    assert _scalars(_read(tmp_path / "b"), "train/loss") == [(1, 1.0), (2, 1.0), (3, 1.0),
-                                                             (4, 9.0)]
+    assert _scalars(_read(tmp_path / "b"), "train/loss") == [(1, 1.0), (2, 1.0), (3, 1.0), (4, 9.0)]
 
 
 def test_one_rank_writes_by_default(tmp_path: Path) -> None:
@@ -193,7 +214,8 @@ def test_all_ranks_write_to_their_own_subdirectory(tmp_path: Path) -> None:
 
 
 def test_writer_runs_off_the_training_thread(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from torch.utils.tensorboard.writer import FileWriter
 
