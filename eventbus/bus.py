@@ -79,7 +79,7 @@ class EventBus:
         positive("inbox_max_bytes", inbox_max_bytes, int)
         positive("queue_max_bytes", queue_max_bytes, int)
         positive("inbox_maxsize", inbox_maxsize, int, least=2)
-        positive("stop_check_every", stop_check_every, int)
+        positive("stop_check_every", stop_check_every, int, least=1)
         info = rank_info()
         self.rank = info.rank if rank is None else rank
         self.local_rank = info.local_rank

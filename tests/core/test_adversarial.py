@@ -16,23 +16,8 @@ import pytest
 
 from eventbus import Event, EventBus
 from eventbus.events import Loss, Scalars
-from eventbus.stats import BusStats
 from tests.conftest import Recorder
-
-
-def _identity(st: BusStats) -> None:
-    """Every subscriber: published == delivered + failed + dropped + queued."""
-    for name, s in st.subscribers.items():
-        assert s.published == s.delivered + s.failed + s.dropped + s.queued, (name, s)
-
-
-def _until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.002)
-    return cond()
+from tests.core.helpers import Hangs, identity, until
 
 
 def _in_thread(fn: Callable[[], Any], timeout: float) -> bool:
@@ -58,14 +43,15 @@ class Text(Event):
 
 
 @pytest.mark.timeout(30)
-def test_latest_key_that_raises_does_not_kill_the_bus() -> None:
+@pytest.mark.parametrize("exc", [ValueError, SystemExit, KeyboardInterrupt])
+def test_latest_key_that_raises_does_not_kill_the_bus(exc: type[BaseException]) -> None:
     """`key=` is user code: called by the router on the loop, it must be isolated like any
-    subscriber code (guarantee 3: the bus thread never dies of a subscriber)."""
+    subscriber code (guarantee 3: BaseException included, the bus thread never dies of it)."""
     rec = Recorder()
 
     def bad_key(ev: Event) -> Any:
         if ev.step == 5:
-            raise ValueError("no key for 5")
+            raise exc("no key for 5")
         return ev.step
 
     bus = EventBus(drain_interval=0.002)
@@ -78,7 +64,7 @@ def test_latest_key_that_raises_does_not_kill_the_bus() -> None:
     st = bus.stats()
     assert st.error is None, st.error
     assert len(rec.got) == 20
-    _identity(st)
+    identity(st)
 
 
 @pytest.mark.timeout(30)
@@ -96,7 +82,7 @@ def test_an_event_with_a_non_numeric_ts_does_not_kill_the_bus() -> None:
     st = bus.stats()
     assert st.error is None, st.error
     assert [e.step for e in rec.got][-10:] == list(range(1, 11))
-    _identity(st)
+    identity(st)
 
 
 # -- the inbox's byte bound -------------------------------------------------------------
@@ -145,29 +131,15 @@ def test_big_events_refused_by_a_storm_do_not_leak_inbox_bytes() -> None:
     try:
         assert _in_thread(train, 5), f"training blocked for good: {bus.stats()}"
         assert bus.flush(5)
-        assert _until(lambda: bus.stats().inbox_size == 0)
+        assert until(lambda: bus.stats().inbox_size == 0)
         assert bus.stats().inbox_bytes == 0, bus.stats()
     finally:
         st = bus.close(timeout=5)
     assert len(rec.got) == n
-    _identity(st)
+    identity(st)
 
 
 # -- close with a hung lossless subscriber whose queue is full ----------------------------
-
-
-class Hangs:
-    """A lossless sync subscriber that blocks in its first batch until released."""
-
-    policy = "block"
-
-    def __init__(self) -> None:
-        self.release = threading.Event()
-        self.entered = threading.Event()
-
-    def on_events(self, batch: list[Event]) -> None:
-        self.entered.set()
-        self.release.wait(60)
 
 
 class Closes(Recorder):
@@ -195,7 +167,7 @@ def test_close_with_a_hung_subscriber_whose_full_queue_holds_the_router() -> Non
         assert hung.entered.wait(10)
         for i in range(1, 200):
             bus.publish(Loss(step=i, value=float(i)))
-        assert _until(lambda: bus.stats()["hung"].queued == 10)  # full: the router waits
+        assert until(lambda: bus.stats()["hung"].queued == 10)  # full: the router waits
         t0 = time.monotonic()
         st = bus.close(timeout=2)
         assert time.monotonic() - t0 < 6
@@ -207,7 +179,7 @@ def test_close_with_a_hung_subscriber_whose_full_queue_holds_the_router() -> Non
     assert good.closed, st["good"]
     assert st["good"].state == "closed"
     assert len(good.got) == st["good"].published
-    _identity(st)
+    identity(st)
 
 
 # -- SIGTERM handlers of two buses ----------------------------------------------------------
@@ -283,7 +255,7 @@ def test_replay_counts_a_disabled_subscriber_once(tmp_path: Any) -> None:
     r = Replayer([BadStart(), Recorder()])
     r.run(e for e in read_log(log) if isinstance(e, Event))
     st = r.stats()
-    _identity(st)
+    identity(st)
 
 
 def test_replay_survives_system_exit_and_keyboard_interrupt(tmp_path: Any) -> None:
@@ -330,7 +302,7 @@ class SlowCoro:
 
 
 @pytest.mark.timeout(30)
-def test_a_function_returning_coroutines_abandoned_mid_batch_keeps_the_identity() -> None:
+def test_a_function_returning_coroutines_abandoned_mid_batch_keeps_theidentity() -> None:
     sub = SlowCoro()
     bus = EventBus(drain_interval=0.002)
     bus.subscribe(sub, name="coro", policy="block")
@@ -341,7 +313,7 @@ def test_a_function_returning_coroutines_abandoned_mid_batch_keeps_the_identity(
     assert sub.entered.wait(10)
     st = bus.close(timeout=1)
     assert st.hung == ("coro",)
-    _identity(st)
+    identity(st)
 
 
 # -- a subscriber queue's byte bound ---------------------------------------------------------
@@ -384,14 +356,14 @@ def test_a_lossy_queue_stays_within_its_byte_bound(policy: str) -> None:
             bus.publish(Text(step=i))
         for i in range(200):  # then 200 x 8 KiB, 1.6 MB against a 64 KiB bound
             bus.publish(Text(step=i, text="y" * 8192))
-        assert _until(lambda: bus.stats().inbox_size == 0)
-        assert _until(lambda: bus.stats()["gate"].published == 301)
+        assert until(lambda: bus.stats().inbox_size == 0)
+        assert until(lambda: bus.stats()["gate"].published == 301)
         q = bus.stats()["gate"]
         assert q.queued_bytes <= 64 << 10, q
     finally:
         gate.release.set()
         st = bus.close(timeout=5)
-    _identity(st)
+    identity(st)
 
 
 @pytest.mark.timeout(30)
@@ -436,8 +408,8 @@ def test_a_subscriber_of_bus_a_forwarding_to_bus_b_loses_nothing_on_b() -> None:
     st = b.stats()
     assert st.feedback_dropped == 0, st
     assert len(b_rec.got) == 1000
-    _identity(st)
-    _identity(a.stats())
+    identity(st)
+    identity(a.stats())
 
 
 # -- removing a subscriber, closing, while training keeps publishing ------------------------
@@ -452,7 +424,7 @@ class Flag(Recorder):
         self.closed.set()
 
 
-def _publish_until(bus: EventBus, stop: threading.Event) -> threading.Thread:
+def _publishuntil(bus: EventBus, stop: threading.Event) -> threading.Thread:
     def run() -> None:
         i = 0
         while not stop.is_set():
@@ -475,9 +447,9 @@ def test_a_removed_subscriber_is_closed_while_training_keeps_publishing() -> Non
     bus.subscribe(other, events=[Loss], policy="drop_oldest")
     stop = threading.Event()
     bus.start()
-    t = _publish_until(bus, stop)
+    t = _publishuntil(bus, stop)
     try:
-        assert _until(lambda: len(sub.got) > 100)
+        assert until(lambda: len(sub.got) > 100)
         handle.remove()
         closed = sub.closed.wait(5)
     finally:
@@ -485,7 +457,7 @@ def test_a_removed_subscriber_is_closed_while_training_keeps_publishing() -> Non
         t.join(10)
         st = bus.close(timeout=5)
     assert closed, st["removed"]
-    _identity(st)
+    identity(st)
 
 
 @pytest.mark.timeout(30)
@@ -497,16 +469,16 @@ def test_closing_while_another_thread_keeps_publishing_blames_no_innocent() -> N
     bus.subscribe(sub, events=[Loss], name="idle", policy="drop_oldest")
     stop = threading.Event()
     bus.start()
-    t = _publish_until(bus, stop)
+    t = _publishuntil(bus, stop)
     try:
-        assert _until(lambda: len(sub.got) > 100)
+        assert until(lambda: len(sub.got) > 100)
         st = bus.close(timeout=2)
     finally:
         stop.set()
         t.join(10)
     assert st.hung == (), st
     assert sub.closed.is_set()
-    _identity(st)
+    identity(st)
 
 
 # -- the byte bound and events of many short strings -------------------------------------------
@@ -536,13 +508,13 @@ def test_events_of_several_texts_under_1kib_each_count_against_the_byte_bound() 
         t = "w" * 1000
         for i in range(1000):
             bus.publish(Sample(step=i, prompt=t, completion=t, reference=t, notes=t))
-        assert _until(lambda: bus.stats().inbox_size == 0)
+        assert until(lambda: bus.stats().inbox_size == 0)
         q = bus.stats()["gate"]
         assert q.queued_bytes <= 1 << 20 and q.dropped > 0, q
     finally:
         gate.release.set()
         st = bus.close(timeout=5)
-    _identity(st)
+    identity(st)
 
 
 @pytest.mark.timeout(30)
@@ -632,7 +604,7 @@ def test_a_hung_on_start_holds_neither_the_others_nor_close() -> None:
     try:
         for i in range(100):
             bus.publish(Loss(step=i, value=0.0))
-        assert _until(lambda: sum(isinstance(e, Loss) for e in rec.got) == 100)
+        assert until(lambda: sum(isinstance(e, Loss) for e in rec.got) == 100)
         t0 = time.monotonic()
         st = bus.close(timeout=2)
         assert time.monotonic() - t0 < 5
@@ -641,7 +613,7 @@ def test_a_hung_on_start_holds_neither_the_others_nor_close() -> None:
     assert st.hung == ("hung",)
     assert any(isinstance(e, Scalars) for e in rec.got)  # on_start's publish arrived
     assert len(pub.got) == 100
-    _identity(st)
+    identity(st)
 
 
 class CancelsItself:
@@ -672,7 +644,7 @@ def test_an_async_subscriber_raising_cancelled_error_is_a_failure_not_a_shutdown
     st = bus.stats()
     assert st.error is None
     assert st["bad"].failed == 50 and len(rec.got) == 50
-    _identity(st)
+    identity(st)
 
 
 class CallsTheBus:
@@ -711,13 +683,13 @@ def test_close_flush_or_state_dict_from_a_subscriber_fail_clearly(method: str, s
     bus.start()
     for i in range(20):
         bus.publish(Loss(step=i, value=0.0))
-    assert _until(lambda: len(rec.got) == 20)
-    assert _until(lambda: sub.errors != [])
+    assert until(lambda: len(rec.got) == 20)
+    assert until(lambda: sub.errors != [])
     assert all(isinstance(e, RuntimeError) for e in sub.errors)
     st = bus.close(timeout=5)
     assert st.error is None and st.hung == ()
     assert st["caller"].failed >= 1
-    _identity(st)
+    identity(st)
 
 
 class Subscribes:
@@ -746,14 +718,14 @@ def test_subscribe_and_remove_from_inside_a_subscriber() -> None:
     sub.handle = bus.subscribe(sub, name="first")
     bus.start()
     bus.publish(Loss(step=0, value=0.0))
-    assert _until(lambda: sub.done)
+    assert until(lambda: sub.done)
     assert bus.flush(5)
     for i in range(1, 11):
         bus.publish(Loss(step=i, value=0.0))
     st = bus.close(timeout=5)
     assert [e.step for e in sub.new.got] == list(range(1, 11))
     assert st["first"].state == "closed"
-    _identity(st)
+    identity(st)
 
 
 @pytest.mark.timeout(60)
@@ -784,13 +756,13 @@ def test_many_threads_publish_while_subscribing_removing_flushing_and_closing() 
     threads.append(threading.Thread(target=churn, daemon=True))
     for t in threads:
         t.start()
-    assert _until(lambda: len(recs[0].got) > 5000, 20)
+    assert until(lambda: len(recs[0].got) > 5000, 20)
     st = bus.close(timeout=10)
     stop.set()
     for t in threads:
         t.join(10)
     st = bus.stats()
-    _identity(st)
+    identity(st)
     assert st.hung == () and st.error is None
     assert st.published + st.rejected == sum(accepted)  # each publish counted once
     for r, name in zip(recs, ("Recorder", "Recorder#2", "Recorder#3"), strict=True):
@@ -810,7 +782,7 @@ def test_max_batch_1_with_100k_events() -> None:
     st = bus.stats()
     assert len(rec.got) == 100_000
     assert [e.step for e in rec.got[:5]] == [0, 1, 2, 3, 4]
-    _identity(st)
+    identity(st)
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)
@@ -834,7 +806,7 @@ def test_texts_and_bytes_around_the_1kib_boundary(n: int) -> None:
     st = bus.stats()
     assert len(rec.got) == 400 and st.inbox_bytes == 0
     assert all(len(e.text) == n for e in rec.got if isinstance(e, Text))
-    _identity(st)
+    identity(st)
 
 
 @pytest.mark.timeout(30)
@@ -860,7 +832,7 @@ def test_a_cpu_tensor_field_goes_through_the_byte_bound_as_a_snapshot() -> None:
     assert [int(e.w[0]) for e in ws] == list(range(50))  # a snapshot, not the live tensor
     assert [e.value for e in rec.got if isinstance(e, Loss)] == [float(i) for i in range(50)]
     assert st.inbox_bytes == 0
-    _identity(st)
+    identity(st)
 
 
 @pytest.mark.timeout(30)
@@ -875,7 +847,7 @@ def test_ctrl_c_while_publish_is_blocked_by_backpressure() -> None:
 
     def interrupt() -> None:
         gate.entered.wait(10)
-        _until(lambda: bus.stats().blocked_s > 0.05)
+        until(lambda: bus.stats().blocked_s > 0.05)
         _thread.interrupt_main()
         time.sleep(0.05)
         gate.release.set()
@@ -897,7 +869,7 @@ def test_ctrl_c_while_publish_is_blocked_by_backpressure() -> None:
     assert len(gate_rec.got) == published
     assert len(gate.got) == published
     assert st.inbox_bytes == 0
-    _identity(st)
+    identity(st)
 
 
 @pytest.mark.timeout(30)
@@ -933,7 +905,7 @@ def test_apublish_under_backpressure_does_not_block_the_callers_loop() -> None:
     finally:
         gate.release.set()
         st = bus.close(timeout=5)
-    _identity(st)
+    identity(st)
 
 
 @pytest.mark.timeout(30)
@@ -956,7 +928,7 @@ def test_on_close_publishing_while_closing_reaches_older_subscribers() -> None:
         bus.publish(Loss(step=0, value=0.0))
     st = bus.stats()
     assert sum(isinstance(e, Scalars) for e in rec.got) == 100
-    _identity(st)
+    identity(st)
 
 
 # -- FIFO while a device->host copy is in flight during close --------------------------------
@@ -1011,7 +983,7 @@ def test_fifo_holds_for_events_published_while_closing_behind_a_copy_in_flight()
     assert [e.step for e in rec.got] == [-1, *range(10)], [e.step for e in rec.got]
     first = rec.got[0]
     assert isinstance(first, Scalars) and first.values == {"final": 7.0}
-    _identity(st)
+    identity(st)
 
 
 # -- a bus dropped without close; a process-placed subscriber raising SystemExit -------------
@@ -1056,7 +1028,7 @@ def test_a_started_bus_dropped_without_close_still_drains_at_exit(tmp_path: Any)
 
 
 @pytest.mark.timeout(60)
-def test_a_process_placed_subscriber_raising_system_exit_keeps_the_identity(
+def test_a_process_placed_subscriber_raising_system_exit_keeps_theidentity(
     tmp_path: Any,
 ) -> None:
     from tests.process.subs import Raiser
@@ -1076,7 +1048,7 @@ def test_a_process_placed_subscriber_raising_system_exit_keeps_the_identity(
     st = bus.stats()
     assert st["child"].failed == 2 and st["child"].delivered == 8, st["child"]
     assert len(rec.got) == 10 and st.error is None
-    _identity(st)
+    identity(st)
 
 
 # -- a lossless subscriber not yet attached by the loop ----------------------------------------
@@ -1096,7 +1068,7 @@ def test_a_lossless_subscriber_gets_what_is_published_right_after_subscribe() ->
         bus.publish(Loss(step=i, value=0.0))
     st = bus.close(timeout=5)
     assert [e.step for e in rec.got] == list(range(500)), st
-    _identity(st)
+    identity(st)
 
 
 # -- a subscriber that consumes or extends the batch list it is handed ----------------------
@@ -1143,7 +1115,7 @@ def test_a_subscriber_that_changes_its_batch_list_keeps_counts_and_the_bus(sub: 
     assert st.error is None, st.error
     assert len(rec.got) == 40
     assert st["sub"].delivered + st["sub"].failed == 40, st["sub"]
-    _identity(st)
+    identity(st)
 
 
 # -- SIGTERM landing inside publish ------------------------------------------------------------
@@ -1199,30 +1171,6 @@ def test_sigterm_landing_inside_publishs_locked_section_still_exits() -> None:
     assert p.returncode == 128 + signal.SIGTERM, err[-2000:]
 
 
-@pytest.mark.timeout(30)
-@pytest.mark.parametrize("exc", [SystemExit, KeyboardInterrupt])
-def test_latest_key_raising_a_base_exception_does_not_kill_the_bus(exc: type) -> None:
-    """Guarantee 3 names BaseException: a key function is the subscriber's code too."""
-    rec = Recorder()
-
-    def bad_key(ev: Event) -> Any:
-        if ev.step == 5:
-            raise exc("key")
-        return ev.step
-
-    bus = EventBus(drain_interval=0.002)
-    bus.subscribe(rec)
-    bus.subscribe(lambda ev: None, policy="latest", key=bad_key, name="latest")
-    with bus:
-        for i in range(20):
-            bus.publish(Loss(step=i, value=1.0))
-        assert bus.flush(5)
-    st = bus.stats()
-    assert st.error is None, st.error
-    assert len(rec.got) == 20
-    _identity(st)
-
-
 # -- temporary subscribers (`with bus.subscribe(...)`) are released -----------------------------
 
 
@@ -1255,7 +1203,7 @@ def test_removed_subscribers_are_not_kept_alive_by_the_bus() -> None:
                 bus.publish(Loss(step=i, value=0.0))
             del c
         assert bus.flush(5)
-        assert _until(lambda: all(s.state == "closed" for s in bus.stats().subscribers.values()))
+        assert until(lambda: all(s.state == "closed" for s in bus.stats().subscribers.values()))
         gc.collect()
         alive = sum(r() is not None for r in refs)
     assert alive == 0, f"{alive} removed subscribers (1 MiB each) still held by the bus"

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +10,7 @@ from eventbus import Event, EventBus
 from eventbus.core.inbox import BIG, Inbox, InboxMode
 from eventbus.events import Loss, Scalars
 from tests.conftest import Recorder
+from tests.core.helpers import until
 
 
 @dataclass(slots=True, kw_only=True)
@@ -19,16 +18,6 @@ class Blob(Event):
     """An event carrying a big payload."""
 
     text: str = ""
-
-
-def _until(cond: Callable[[], bool], timeout: float = 20.0) -> bool:
-    """Wait for a condition another thread makes true (a deadline, not a sleep)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.001)
-    return True
 
 
 def test_a_feedback_storm_neither_freezes_training_nor_grows_memory() -> None:
@@ -93,7 +82,7 @@ def test_big_events_are_bounded_in_bytes_with_backpressure() -> None:
     with bus:
         t = threading.Thread(target=publish, daemon=True)
         t.start()
-        assert _until(lambda: bus.stats().blocked_s > 0 or done.is_set())
+        assert until(lambda: bus.stats().blocked_s > 0 or done.is_set())
         assert not done.is_set()  # the publisher waits: backpressure by bytes
         st = bus.stats()
         s = sub.stats()

@@ -16,25 +16,7 @@ from eventbus.events import Loss
 from eventbus.logformat import read_log
 from eventbus.sinks import JsonlWriter
 from tests.conftest import Recorder
-
-
-def _identity(st: Any) -> None:
-    """published == delivered + failed + dropped + queued, exactly."""
-    assert st.published == st.delivered + st.failed + st.dropped + st.queued, st
-
-
-class Hangs:
-    """A lossless sync subscriber that blocks in its first batch until released."""
-
-    policy = "block"
-
-    def __init__(self) -> None:
-        self.release = threading.Event()
-        self.entered = threading.Event()
-
-    def on_events(self, batch: list[Event]) -> None:
-        self.entered.set()
-        self.release.wait(60)
+from tests.core.helpers import Hangs, identity
 
 
 def _lines(path: Path) -> list[Event]:
@@ -58,8 +40,7 @@ def test_a_hung_subscriber_leaves_a_buffering_writer_its_on_close(tmp_path: Path
     w = st[next(n for n in st.subscribers if n != "hung")]
     assert w.state == "closed" and w.delivered == 1000
     assert st["hung"].state == "hung"
-    for s in st.subscribers.values():
-        _identity(s)
+    identity(st)
 
 
 def test_a_hung_on_close_is_named_and_the_older_ones_still_close() -> None:
