@@ -162,10 +162,10 @@ class EventBus:
         # Tensors: detach + async copy into pinned memory (CUDA) or a clone (CPU).
         # Never .item(): no device synchronisation.
         captured = capture_event(ev)
-        if captured or nbytes >= BIG:
-            self._inbox.put_boxed(Boxed(ev, nbytes if nbytes >= BIG else 0, captured))
-        else:
-            self._inbox.put(ev)
+        if nbytes >= BIG:
+            self._inbox.put_boxed(Boxed(ev, nbytes, captured))
+        else:  # small: counted by number only
+            self._inbox.put(Boxed(ev, 0, True) if captured else ev)
 
     async def apublish(self, ev: Event) -> None:
         """`publish` for async code: waits without blocking the caller's event loop."""

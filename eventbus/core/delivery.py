@@ -192,7 +192,10 @@ class Delivery:
     async def _call_batch(self, batch: list[Event]) -> BaseException | None:
         n, first = len(batch), batch[0]  # read before: the subscriber may change its list
         try:
-            await self._call(self.sub.on_events, batch)
+            if self.is_async:
+                await self._call_async(self.sub.on_events, batch)
+            else:
+                await self._call(self.sub.on_events, batch)
         except BaseException as e:
             if _own_cancellation(e):
                 raise

@@ -319,14 +319,18 @@ class Inbox:
         if self._on_loop_wake is not None:
             self._on_loop_wake()
 
-    def take(self, n: int) -> list[Any]:
-        """Up to `n` items, oldest first (the loop's side)."""
-        items = self.items
-        k = len(items)
+    def note_high_water(self) -> int:
+        """The loop is about to drain: note how full the inbox got; returns its length."""
+        k = len(self.items)
         if k > self.high_water:
             self.high_water = k
+        return k
+
+    def take(self, n: int) -> list[Any]:
+        """Up to `n` items, oldest first (the loop's side, or the closer once it is done)."""
+        items = self.items
         popleft = items.popleft
-        return [popleft() for _ in range(min(k, n))]
+        return [popleft() for _ in range(min(len(items), n))]
 
     def unbox(self, box: Boxed) -> int:
         """A boxed event left the inbox: its bytes no longer count (once). Returns them."""

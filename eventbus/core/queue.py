@@ -64,6 +64,7 @@ class SubscriberQueue:
         self._sizes: dict[int, int] = {}  # id(event) -> bytes, for the big ones only
         self._bytes = 0
         self._closed = False
+        self._fast_below = maxsize if self._is_fifo else 0  # 0: every put takes the slow path
         self._readable = anyio.Event()
         self._writable = anyio.Event()
 
@@ -75,7 +76,7 @@ class SubscriberQueue:
         """True after `close()`: whatever is put from then on is dropped and counted."""
         return self._closed
 
-    def put_nowait(self, ev: Event, nbytes: int = 0, *, force: bool = False) -> bool:
+    def put_nowait(self, ev: Event, nbytes: int = 0, force: bool = False) -> bool:
         """Enqueue without waiting; False only when a `block` queue is full.
 
         `nbytes`: the event's size when big enough to count; `force`: exceed the bounds rather
@@ -83,7 +84,7 @@ class SubscriberQueue:
         """
         fifo = self._fifo
         n = len(fifo)
-        if n < self.maxsize and self._is_fifo and not nbytes and not self._closed:
+        if not nbytes and n < self._fast_below:  # FIFO, open, small event, room
             fifo.append(ev)  # the common case: a small event, room in a FIFO queue
             if not n:  # the consumer waits only on an empty queue: wake it once
                 self._readable.set()
@@ -200,6 +201,7 @@ class SubscriberQueue:
     def close(self) -> None:
         """Refuse what comes from now on (counted as dropped); queued events stay. Idempotent."""
         self._closed = True
+        self._fast_below = 0
         self._writable.set()
         self._readable.set()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -47,9 +48,9 @@ class Router:
         self.routed = 0  # events taken from the inbox and routed
         self.lost = 0  # events still in the inbox when the loop gave up: routed nowhere
         self.closing = False  # set by the loop: from now on routing never waits
-        self._next = 0  # index of the next entry of the chunk being routed
         self._draining = anyio.Lock()
-        self._taken: list[Any] = []  # the chunk being routed (counted if the loop is abandoned)
+        # The event in hand while routing waits (and the subscribers it has not reached).
+        self._hand: tuple[Event, tuple[Delivery, ...] | None] | None = None
         self._routes: dict[type, tuple[Delivery, ...]] = {}
         self._drop_lock = threading.Lock()
         self._start = start
@@ -91,30 +92,38 @@ class Router:
             await self._drain(chunk, force)
 
     async def _drain(self, chunk: int, force: bool) -> None:
-        taken = self._taken = self.inbox.take(chunk)
+        inbox = self.inbox
         try:
-            await self._route_all(taken, force)
-        except BaseException:  # cancelled mid-chunk: what was taken and not routed is lost
-            self._count_lost(taken[self._next :])
-            raise
+            await self._route_all(inbox.items, min(inbox.note_high_water(), chunk), force)
         finally:
-            self._taken = []
-            self.inbox.space()  # publishers waiting on a full inbox look again
+            inbox.space()  # publishers waiting on a full inbox look again
 
-    async def _route_all(self, taken: list[Any], force: bool) -> None:
+    async def _route_all(self, items: deque[Any], n: int, force: bool) -> None:
+        """Pop and route `n` items straight from the inbox: one in hand at a time, so what a
+        cancellation or an abandoned loop leaves behind is still in the inbox, counted there."""
         inbox = self.inbox
         routes = self._routes
-        for i, entry in enumerate(taken):
-            self._next = i  # not routed yet: counted lost if we are cancelled here
+        popleft = items.popleft
+        force = force or self.closing
+        for _ in range(n):
+            try:
+                entry = popleft()
+            except IndexError:  # the closer took what was left (the loop was abandoned)
+                return
             item, cls, nbytes = entry, type(entry), 0
             if cls is Boxed:
-                nbytes = inbox.unbox(entry)
-                if entry.captured:
-                    await self._resolve(entry.ev)
+                if entry.nbytes:
+                    nbytes = inbox.unbox(entry)
                 item = entry.ev
                 cls = type(item)
+                if entry.captured:
+                    pending = pending_of(item)
+                    if any(not p.ready() for p in pending):
+                        self._hand = (item, None)  # counted lost if cancelled while waiting
+                        await self._copies(pending)  # a device->host copy still in flight
+                        self._hand = None
+                    resolve(item)
             elif cls is Attach or cls is Detach or cls is Flush:
-                self._next = i + 1
                 await self._control(item)
                 continue
             self.routed += 1
@@ -124,17 +133,14 @@ class Router:
             for k, d in enumerate(targets):
                 q = d.queue
                 assert q is not None
-                if not q.put_nowait(item, nbytes, force=force or self.closing):
+                if not q.put_nowait(item, nbytes, force) and not (
+                    self.closing and q.put_nowait(item, nbytes, True)  # closing began since
+                ):
                     inbox.space()  # room in the inbox while this queue is full
-                    try:
-                        await self._wait_for_room(d, item, nbytes)
-                    except BaseException:  # the loop gave up (deadline): counted
-                        for lost in targets[k:]:
-                            lost.lost_at_close += 1
-                        self._next = i + 1
-                        raise
+                    self._hand = (item, targets[k:])  # counted lost if we never come back
+                    await self._wait_for_room(d, item, nbytes)
+                    self._hand = None
                 d.routed += 1
-            self._next = i + 1
 
     async def _wait_for_room(self, d: Delivery, ev: Event, nbytes: int) -> None:
         """Backpressure: wait until `d` takes from its full queue. One stuck in a single call
@@ -161,14 +167,13 @@ class Router:
                 q.put_nowait(ev, nbytes)  # disabled: counted as dropped
                 return
 
-    async def _resolve(self, ev: Event) -> None:
-        """Wait (polling, never blocking the loop) for its device->host copies, then read them."""
+    async def _copies(self, pending: list[Any]) -> None:
+        """Wait, polling and never blocking the loop, until these device->host copies are done."""
         delay = 0.0001
-        for p in pending_of(ev):
-            while not p.ready():  # a copy still in flight
+        for p in pending:
+            while not p.ready():  # query() on a CUDA event: never waits
                 await anyio.sleep(delay)  # backing off: each wake takes the GIL
                 delay = min(delay * 2, self._poll_max)
-        resolve(ev)
 
     async def _control(self, item: Any) -> None:
         if type(item) is Attach:
@@ -225,8 +230,15 @@ class Router:
 
     def remaining(self) -> list[Any]:
         """What is still in the inbox (shutdown gave up): count it lost for its subscribers."""
-        lost = self._taken[self._next :] + self.inbox.take(len(self.inbox))  # a chunk in hand too
-        self._taken = []
+        hand, self._hand = self._hand, None
+        if hand is not None:  # the event in hand when the loop stopped: not routed to these
+            ev, rest = hand
+            if rest is None:
+                self.lost += 1
+                rest = self.targets(type(ev), cache=False)
+            for d in rest:
+                d.lost_at_close += 1
+        lost = self.inbox.take(len(self.inbox))
         self._count_lost(lost)
         return lost
 
