@@ -28,7 +28,7 @@ from eventbus.core.fork import call_after_fork
 from eventbus.core.inbox import BIG, Attach, Boxed, Detach, Flush, Inbox, InboxMode
 from eventbus.core.loop import BusLoop
 from eventbus.core.signals import SignalDrain
-from eventbus.core.sizing import NUMBERS, checked_fields, sizeof_event
+from eventbus.core.sizing import checked_fields, quick_check, sizeof_event
 from eventbus.core.subscriber import State, describe, positive, subscribe_options, unique_name
 from eventbus.core.subscription import Subscription
 from eventbus.dist import rank_info
@@ -42,7 +42,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 _NEW, _RUNNING, _CLOSED, _FORKED = "new", "running", "closed", "forked"
 _time_ns = time.time_ns  # a module global: one lookup less on the hot path
-_CHECKED: dict[type, tuple[str, ...]] = {}
+_CHECKS: dict[type, Callable[[Event], int]] = {}
 
 
 class EventBus:
@@ -133,22 +133,12 @@ class EventBus:
             ev.ts = _time_ns()
         ev.seq = next(self._seq)  # itertools.count: atomic under the GIL
         ev.rank = self.rank
-        names = _CHECKED.get(type(ev))
-        if names is None:
-            names = _CHECKED[type(ev)] = checked_fields(type(ev))
-        text = 0
-        for name in names:
-            v = getattr(ev, name)
-            t = type(v)
-            if t in NUMBERS:
-                continue
-            if t is str:
-                text += len(v)
-                continue
-            self._publish_slow(ev, names)  # a tensor or a container
-            return
-        if text >= BIG:  # long texts: counted against the byte bound
-            self._publish_slow(ev, names)
+        check = _CHECKS.get(type(ev))
+        if check is None:
+            check = _CHECKS[type(ev)] = quick_check(type(ev))
+        text = check(ev)  # -1: a tensor or a container; else the length of its texts
+        if text < 0 or text >= BIG:  # capture, and count it against the byte bound
+            self._publish_slow(ev, checked_fields(type(ev)))
             return
         inbox = self._inbox
         items = inbox.items

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from eventbus.core.worker import worker_name, worker_owner
+from eventbus.core.worker import thread_state, worker_name
 from eventbus.events import Event
 from eventbus.log import RateLimiter, get_logger
 
@@ -104,7 +104,6 @@ class Inbox:
         *,
         waits: Callable[[], bool] = lambda: False,
         drop: Callable[[Event], None] = lambda ev: None,
-        loop_thread: Callable[[], int | None] = lambda: None,
     ) -> None:
         self.maxsize = maxsize
         self.max_bytes = max_bytes
@@ -127,7 +126,6 @@ class Inbox:
         self._close_budget: int | None = None  # bus-side events still accepted while closing
         self._waits = waits  # whether a lossless subscriber is attached
         self._drop = drop  # count a dropped event for its subscribers
-        self._loop_thread = loop_thread
         self._lock = threading.Lock()  # the byte counter and drop counters
         self._space = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -185,11 +183,10 @@ class Inbox:
         *,
         waits: Callable[[], bool],
         drop: Callable[[Event], None],
-        loop_thread: Callable[[], int | None],
     ) -> None:
         """Who answers the inbox's questions: whether to wait when full (a lossless subscriber
-        is attached), whom a dropped event was for, which thread is the loop's."""
-        self._waits, self._drop, self._loop_thread = waits, drop, loop_thread
+        is attached), and whom a dropped event was for."""
+        self._waits, self._drop = waits, drop
 
     async def wait_for_room(self) -> None:
         """For async publishers: wait (without blocking their loop) while a full inbox would
@@ -216,15 +213,28 @@ class Inbox:
     def on_bus_side(self) -> bool:
         """On this bus's loop thread or one of its subscribers' workers: waiting for this bus
         there could deadlock (another bus's subscriber may wait, like any publisher)."""
-        return threading.get_ident() == self._loop_thread() or worker_owner() is self
+        return getattr(thread_state, "owner", None) is self  # set on the loop and its workers
 
     def _admit(self, item: Any, *, full: bool = False) -> bool:  # noqa: PLR0911
         """The slow path: not live, near the bound, or full. False: `item` is not queued."""
-        mode = self.mode
+        mode = self._mode
+        if (
+            mode == InboxMode.LIVE
+            and not full
+            and len(self.items) < self.maxsize
+            and self._added_bytes - self._taken_bytes < self.max_bytes
+            and getattr(thread_state, "owner", None) is not self
+        ):  # the common slow case: the training side, over half full, not full
+            self._wake()
+            return True
         if mode == InboxMode.CLOSED:
             self._reject(item)
             return False
-        full = full or self.full()
+        full = (
+            full
+            or len(self.items) >= self.maxsize
+            or self._added_bytes - self._taken_bytes >= self.max_bytes
+        )
         if mode == InboxMode.NEW:
             waiting = self.waiting() if full else 0
             big = type(item) is Boxed and self.nbytes + item.nbytes > self.max_bytes

@@ -27,6 +27,7 @@ from eventbus.core.handle import BusHandle
 from eventbus.core.inbox import Inbox, publisher
 from eventbus.core.router import Router
 from eventbus.core.subscriber import State
+from eventbus.core.worker import thread_state
 from eventbus.log import get_logger
 from eventbus.stats import BusStats
 
@@ -62,7 +63,6 @@ class BusLoop:
         inbox.connect(
             waits=self.router.waits,
             drop=self.router.count_drop,
-            loop_thread=lambda: self.thread_id,
         )
         self.thread: threading.Thread | None = None
         self.thread_id: int | None = None
@@ -192,6 +192,7 @@ class BusLoop:
 
     def _thread_main(self) -> None:
         self.thread_id = threading.get_ident()
+        thread_state.owner = self.inbox  # this thread is the bus side: it never waits on it
         try:
             anyio.run(self._main, backend="asyncio")
         except BaseException as e:  # never silently: reported here, in stats and at close

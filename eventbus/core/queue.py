@@ -108,10 +108,11 @@ class SubscriberQueue:
             if self.policy == "drop_newest":
                 self.dropped += 1
                 return True
-            while fifo and (
-                len(fifo) >= self.maxsize  # drop_oldest: as many as it takes
-                or (nbytes and self._bytes + nbytes > self.max_bytes)
-            ):
+            old = fifo.popleft()  # drop_oldest: one makes room for a small event
+            self.dropped += 1
+            if self._sizes:
+                self._forget(old)
+            while nbytes and fifo and self._bytes + nbytes > self.max_bytes:  # a big one: more
                 self._forget(fifo.popleft())
                 self.dropped += 1
         if not fifo:

@@ -7,12 +7,13 @@ to a budget, then extrapolated). Reading a tensor's size is host metadata: no de
 from __future__ import annotations
 
 import typing
+from collections.abc import Callable
 from typing import Any
 
 from eventbus.capture import capturable_fields
 from eventbus.events import Event
 
-__all__ = ["NUMBERS", "checked_fields", "sizeof_event"]
+__all__ = ["NUMBERS", "checked_fields", "quick_check", "sizeof_event"]
 
 NUMBERS: frozenset[type] = frozenset((int, float, bool, type(None)))
 _BASE = 64  # an event object's own bytes, roughly
@@ -89,3 +90,29 @@ def _sizeof(v: Any, depth: int) -> int:  # noqa: PLR0911 - one return per kind o
     items = list(v)[:_WALK] if t in (set, frozenset) else v[:_WALK]
     total = sum(_sizeof(x, depth + 1) for x in items)
     return 56 + (total * n // len(items) if items else 0)
+
+
+_QUICK: dict[type, Callable[[Event], int]] = {}
+
+
+def quick_check(cls: type[Event]) -> Callable[[Event], int]:
+    """A function generated for `cls` (as the codec does: direct attribute reads, no loop):
+    -1 if an event holds a tensor or a container (the slow path), else its text length."""
+    fn = _QUICK.get(cls)
+    if fn is None:
+        names = checked_fields(cls)
+        lines = ["def check(ev):", "    n = 0"]
+        for i, name in enumerate(names):
+            lines += [
+                f"    v{i} = ev.{name}",
+                f"    t{i} = type(v{i})",
+                f"    if t{i} is str:",
+                f"        n += len(v{i})",
+                f"    elif t{i} not in NUMBERS:",
+                "        return -1",
+            ]
+        lines.append("    return n")
+        scope: dict[str, Any] = {"NUMBERS": NUMBERS}
+        exec(compile("\n".join(lines), f"<eventbus.sizing {cls.__qualname__}>", "exec"), scope)
+        fn = _QUICK[cls] = scope["check"]
+    return fn

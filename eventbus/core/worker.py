@@ -12,24 +12,26 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ThreadWorker", "in_worker", "worker_name", "worker_owner"]
+__all__ = ["ThreadWorker", "in_worker", "thread_state", "worker_name", "worker_owner"]
 
-_local = threading.local()
+# Per thread: `worker`, `name` (a subscriber's worker) and `owner` (whose bus side it is: set
+# on the loop thread and on each of that bus's workers).
+thread_state = threading.local()
 
 
 def in_worker() -> bool:
     """True on a subscriber's worker thread (where waiting for the bus could deadlock)."""
-    return getattr(_local, "worker", False)
+    return getattr(thread_state, "worker", False)
 
 
 def worker_owner() -> object | None:
     """What this worker thread serves (its bus's inbox; None elsewhere)."""
-    return getattr(_local, "owner", None)
+    return getattr(thread_state, "owner", None)
 
 
 def worker_name() -> str | None:
     """The subscriber whose worker thread this is (None elsewhere)."""
-    return getattr(_local, "name", None)
+    return getattr(thread_state, "name", None)
 
 
 def _settle(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
@@ -68,9 +70,9 @@ class ThreadWorker:
             self._q.put(None)
 
     def _run(self) -> None:
-        _local.worker = True
-        _local.name = self.name
-        _local.owner = self.owner
+        thread_state.worker = True
+        thread_state.name = self.name
+        thread_state.owner = self.owner
         while True:
             item = self._q.get()
             if item is None:

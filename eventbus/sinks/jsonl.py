@@ -49,6 +49,9 @@ class JsonlWriterStats:
     failed: str | None  # the I/O error that stopped the writer, if any
 
 
+_RESUMES = (CheckpointLoaded, RunStarted)  # events that may carry a resume step
+
+
 class JsonlWriter:
     """Write events as JSON lines under a directory (`events.jsonl`, or per rank
     `events.rank{r}.jsonl` when the world size is > 1), or to a given `*.jsonl` file.
@@ -162,7 +165,7 @@ class JsonlWriter:
             n = 0
             try:
                 for ev in batch:
-                    if self.truncate_on_resume and isinstance(ev, CheckpointLoaded | RunStarted):
+                    if self.truncate_on_resume and isinstance(ev, _RESUMES):
                         step = ev.step if isinstance(ev, CheckpointLoaded) else ev.resumed_from_step
                         if step is not None:
                             f.hold(lines, n)

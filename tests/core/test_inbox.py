@@ -96,7 +96,7 @@ def test_big_events_are_bounded_in_bytes_with_backpressure() -> None:
 
 
 def test_small_events_do_not_count_bytes() -> None:
-    inbox = Inbox(16, 1 << 20, waits=lambda: False, drop=lambda ev: None, loop_thread=lambda: None)
+    inbox = Inbox(16, 1 << 20, waits=lambda: False, drop=lambda ev: None)
     inbox.mode = InboxMode.LIVE
     inbox.put(Loss(step=1, value=1.0))
     assert inbox.nbytes == 0 and len(inbox) == 1 and BIG == 1024
@@ -104,7 +104,7 @@ def test_small_events_do_not_count_bytes() -> None:
 
 def test_a_full_inbox_without_lossless_subscribers_drops_and_counts() -> None:
     dropped: list[Any] = []
-    inbox = Inbox(4, 1 << 20, waits=lambda: False, drop=dropped.append, loop_thread=lambda: None)
+    inbox = Inbox(4, 1 << 20, waits=lambda: False, drop=dropped.append)
     inbox.mode = InboxMode.LIVE
     for i in range(10):
         inbox.put(Loss(step=i, value=1.0))
@@ -112,7 +112,7 @@ def test_a_full_inbox_without_lossless_subscribers_drops_and_counts() -> None:
 
 
 def test_a_closed_inbox_refuses_and_counts() -> None:
-    inbox = Inbox(4, 1 << 20, waits=lambda: True, drop=lambda ev: None, loop_thread=lambda: None)
+    inbox = Inbox(4, 1 << 20, waits=lambda: True, drop=lambda ev: None)
     inbox.close()
     inbox.put(Loss(step=1, value=1.0))
     assert len(inbox) == 0 and inbox.rejected == 1
