@@ -213,7 +213,7 @@ class Inbox:
     def on_bus_side(self) -> bool:
         """On this bus's loop thread or one of its subscribers' workers: waiting for this bus
         there could deadlock (another bus's subscriber may wait, like any publisher)."""
-        return getattr(thread_state, "owner", None) is self  # set on the loop and its workers
+        return thread_state.owner is self  # set on the loop and its workers
 
     def _admit(self, item: Any, *, full: bool = False) -> bool:  # noqa: PLR0911
         """The slow path: not live, near the bound, or full. False: `item` is not queued."""
@@ -223,7 +223,7 @@ class Inbox:
             and not full
             and len(self.items) < self.maxsize
             and self._added_bytes - self._taken_bytes < self.max_bytes
-            and getattr(thread_state, "owner", None) is not self
+            and thread_state.owner is not self
         ):  # the common slow case: the training side, over half full, not full
             self._wake()
             return True

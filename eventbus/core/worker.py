@@ -14,24 +14,32 @@ from typing import Any
 
 __all__ = ["ThreadWorker", "in_worker", "thread_state", "worker_name", "worker_owner"]
 
-# Per thread: `worker`, `name` (a subscriber's worker) and `owner` (whose bus side it is: set
-# on the loop thread and on each of that bus's workers).
-thread_state = threading.local()
+class _ThreadState(threading.local):
+    """Per thread: whose bus side it is (`owner`: set on a bus's loop thread and on each of
+    its subscribers' workers), and whether it is a worker and of whom. Class defaults: a
+    thread that set nothing reads None without an AttributeError raised and caught."""
+
+    owner: object | None = None
+    worker: bool = False
+    name: str | None = None
+
+
+thread_state = _ThreadState()
 
 
 def in_worker() -> bool:
     """True on a subscriber's worker thread (where waiting for the bus could deadlock)."""
-    return getattr(thread_state, "worker", False)
+    return thread_state.worker
 
 
 def worker_owner() -> object | None:
     """What this worker thread serves (its bus's inbox; None elsewhere)."""
-    return getattr(thread_state, "owner", None)
+    return thread_state.owner
 
 
 def worker_name() -> str | None:
     """The subscriber whose worker thread this is (None elsewhere)."""
-    return getattr(thread_state, "name", None)
+    return thread_state.name
 
 
 def _settle(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
