@@ -1,0 +1,64 @@
+"""eventbus.control: stop and abort flags, one StopRequested per request, agreed when asked."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from eventbus.control import AbortRequested, Control
+from eventbus.events import Event, StopRequested
+
+
+def test_a_stop_is_published_once_with_its_reason_source_and_step() -> None:
+    out: list[Event] = []
+    c = Control(out.append)
+    c.request_stop("loss diverged", source="DivergenceDetector", step=12)
+    c.request_stop("again", source="other")
+    assert c.should_stop and not c.should_abort
+    assert (c.reason, c.source) == ("loss diverged", "DivergenceDetector")
+    assert len(out) == 1 and isinstance(out[0], StopRequested)
+    assert (out[0].step, out[0].reason, out[0].abort) == (12, "loss diverged", False)
+
+
+def test_an_abort_implies_a_stop_takes_the_reason_and_check_raises() -> None:
+    out: list[Event] = []
+    c = Control(out.append)
+    c.request_stop("first")
+    c.request_abort("out of memory", source="MemoryProfiler")
+    assert c.should_stop and c.should_abort and c.reason == "out of memory"
+    assert [e.abort for e in out if isinstance(e, StopRequested)] == [False, True]
+    with pytest.raises(AbortRequested, match="out of memory"):
+        c.check()
+
+
+def test_reset_clears_the_flags_for_a_new_run() -> None:
+    c = Control(lambda ev: None)
+    c.request_abort("x")
+    c.reset()
+    assert not c.should_stop and not c.should_abort and c.reason is None
+    c.check()  # no abort: returns
+
+
+def test_an_agreement_decides_what_the_loop_reads() -> None:
+    c = Control(lambda ev: None)
+    seen: list[tuple[bool, bool]] = []
+
+    def agree(stop: bool, abort: bool) -> tuple[bool, bool]:
+        seen.append((stop, abort))
+        return True, False  # another rank asked to stop
+
+    c.agree = agree
+    assert c.should_stop and not c.should_abort
+    assert seen[-1] == (False, False)  # this rank's own flags go to the agreement
+
+
+def test_requests_from_many_threads_publish_exactly_one_stop() -> None:
+    out: list[Event] = []
+    c = Control(out.append)
+    threads = [threading.Thread(target=c.request_stop, args=(f"t{i}",)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(out) == 1
