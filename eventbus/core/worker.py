@@ -14,6 +14,7 @@ from typing import Any
 
 __all__ = ["ThreadWorker", "in_worker", "thread_state", "worker_name", "worker_owner"]
 
+
 class _ThreadState(threading.local):
     """Per thread: whose bus side it is (`owner`: set on a bus's loop thread and on each of
     its subscribers' workers), and whether it is a worker and of whom. Class defaults: a
