@@ -1,10 +1,9 @@
 """`Delivery`: the one place that calls a subscriber's code, wherever the subscriber runs.
 
-The live bus, `replay` and a process-placed subscriber's child all call subscribers through
-this class: hooks (`on_start`, `on_flush`, `on_close`), batches (`on_events`) or one event at a
-time (a plain function), failure accounting, disabling, timing and the subscriber's state.
-Async code runs on the loop; sync code on the subscriber's own worker thread. Anything the
-subscriber raises, `BaseException` included, is counted and logged; it never ends the loop.
+The live bus, `replay` and a process-placed subscriber's child call subscribers through it:
+hooks, batches or one event at a time, failures, disabling, timing, the subscriber's state.
+Async code runs on the loop, sync code on the subscriber's own worker thread. Anything it
+raises, `BaseException` included, is counted and logged; it never ends the loop.
 """
 
 from __future__ import annotations

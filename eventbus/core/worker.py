@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ThreadWorker", "in_worker", "thread_state", "worker_name", "worker_owner"]
+__all__ = ["ThreadWorker", "in_worker", "thread_state", "worker_name"]
 
 
 class _ThreadState(threading.local):
@@ -31,11 +31,6 @@ thread_state = _ThreadState()
 def in_worker() -> bool:
     """True on a subscriber's worker thread (where waiting for the bus could deadlock)."""
     return thread_state.worker
-
-
-def worker_owner() -> object | None:
-    """What this worker thread serves (its bus's inbox; None elsewhere)."""
-    return thread_state.owner
 
 
 def worker_name() -> str | None:

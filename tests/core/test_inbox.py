@@ -14,7 +14,7 @@ from tests.core.helpers import until
 
 
 @dataclass(slots=True, kw_only=True)
-class Blob(Event):
+class BigText(Event):
     """An event carrying a big payload."""
 
     text: str = ""
@@ -76,7 +76,7 @@ def test_big_events_are_bounded_in_bytes_with_backpressure() -> None:
 
     def publish() -> None:
         for i in range(200):
-            bus.publish(Blob(step=i, text=payload))
+            bus.publish(BigText(step=i, text=payload))
         done.set()
 
     with bus:
