@@ -225,9 +225,7 @@ class EventBus:
             if d.lossless:
                 self._loop.router.pending_lossless.add(d)
             self._inbox.put_control(Attach(d))
-            if self._state == _NEW and not self._exit_hook:
-                atexit.register(self._at_exit)  # events for it must not vanish unstarted
-                self._exit_hook = True
+            self._close_at_exit()  # events for it must not vanish, even unstarted
         return Subscription(d, self._detach)
 
     def on(self, *events: type[Event], **options: Any) -> Callable[[F], F]:
@@ -262,9 +260,7 @@ class EventBus:
             self._loop.start()
             self._inbox.mode = InboxMode.LIVE
             self._state = _RUNNING
-            if not self._exit_hook:
-                atexit.register(self._at_exit)
-                self._exit_hook = True
+            self._close_at_exit()
             if self.handle_signals:
                 self._signals.install()
         return self
@@ -333,6 +329,11 @@ class EventBus:
         for d in self._deliveries:
             d.worker.stop()
         log_close(self.stats())
+
+    def _close_at_exit(self) -> None:
+        if not self._exit_hook:
+            atexit.register(self._at_exit)
+            self._exit_hook = True
 
     def _at_exit(self) -> None:
         if self._state in (_NEW, _RUNNING):

@@ -17,7 +17,7 @@ from typing import Any
 
 from eventbus.core.markers import Markers
 from eventbus.core.queue import SubscriberQueue
-from eventbus.core.subscriber import State, SubscriberGone, takes_argument
+from eventbus.core.subscriber import State, SubscriberGone, is_async, takes_argument
 from eventbus.core.worker import ThreadWorker
 from eventbus.events import Event
 from eventbus.log import RateLimiter, get_logger
@@ -26,12 +26,6 @@ from eventbus.stats import SubscriberStats
 __all__ = ["Delivery"]
 
 _log_limit = RateLimiter(10.0)
-
-
-def _is_async(fn: Any) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-        getattr(fn, "__call__", None)  # noqa: B004 - an object with an async __call__
-    )
 
 
 def _own_cancellation(e: BaseException) -> bool:
@@ -70,7 +64,7 @@ class Delivery:
         self.key = key
         self.max_consecutive_failures = max_consecutive_failures
         self.batched = hasattr(sub, "on_events")
-        self.is_async = _is_async(sub.on_events if self.batched else sub)
+        self.is_async = is_async(sub.on_events if self.batched else sub)
         self.worker = ThreadWorker(name)
         self.queue: SubscriberQueue | None = None  # made on the loop (anyio events live there)
         self.state = State.PENDING
@@ -191,10 +185,8 @@ class Delivery:
     async def _call_batch(self, batch: list[Event]) -> BaseException | None:
         n, first = len(batch), batch[0]  # read before: the subscriber may change its list
         try:
-            if self.is_async:
-                await self._call_async(self.sub.on_events, batch)
-            else:
-                await self._call(self.sub.on_events, batch)
+            call = self._call_async if self.is_async else self._call_sync
+            await call(self.sub.on_events, batch)
         except BaseException as e:
             if _own_cancellation(e):
                 raise
@@ -242,8 +234,12 @@ class Delivery:
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run subscriber code: async on the loop, sync on the worker; await what it returns."""
-        if _is_async(fn):
+        if is_async(fn):
             return await self._call_async(fn, *args)
+        return await self._call_sync(fn, *args)
+
+    async def _call_sync(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Sync code on the subscriber's worker thread; a coroutine it returns runs here."""
         result = await self.worker.call(fn, *args)
         if inspect.isawaitable(result):  # a sync function that returned a coroutine
             return await self._call_async(_awaited, result)

@@ -72,12 +72,11 @@ class Detach:
 class Flush:
     """Done when every subscriber handled what was published before it."""
 
-    __slots__ = ("done", "flush_hooks", "remaining")
+    __slots__ = ("done", "remaining")
 
-    def __init__(self, *, flush_hooks: bool = True) -> None:
+    def __init__(self) -> None:
         self.done = threading.Event()
         self.remaining = 0
-        self.flush_hooks = flush_hooks
 
     def one_done(self) -> None:
         self.remaining -= 1
@@ -122,7 +121,7 @@ class Inbox:
         self.dropped = 0  # events dropped at a full inbox (only lossy subscribers attached)
         self.feedback_dropped = 0  # events subscribers published into a half-full inbox
         self.rejected = 0  # events published after close (or in a forked child)
-        self._wake_at = max(1, maxsize // 2)
+        self._half = max(1, maxsize // 2)  # the wake-up mark, and the bus side's share
         self._close_budget: int | None = None  # bus-side events still accepted while closing
         self._waits = waits  # whether a lossless subscriber is attached
         self._drop = drop  # count a dropped event for its subscribers
@@ -152,8 +151,9 @@ class Inbox:
         self._refresh()
 
     def _refresh(self) -> None:
-        """The fast path is open only while live and below the wake-up mark."""
-        self.fast_limit = self._wake_at if self._mode == InboxMode.LIVE else 0
+        """The fast path is open only while live, not closing, and below the wake-up mark."""
+        open_ = self._mode == InboxMode.LIVE and self._close_budget is None
+        self.fast_limit = self._half if open_ else 0
 
     # -- publishers ---------------------------------------------------------------------
 
@@ -230,11 +230,7 @@ class Inbox:
         if mode == InboxMode.CLOSED:
             self._reject(item)
             return False
-        full = (
-            full
-            or len(self.items) >= self.maxsize
-            or self._added_bytes - self._taken_bytes >= self.max_bytes
-        )
+        full = full or self.full()
         if mode == InboxMode.NEW:
             waiting = self.waiting() if full else 0
             big = type(item) is Boxed and self.nbytes + item.nbytes > self.max_bytes
@@ -252,7 +248,7 @@ class Inbox:
                     self._storm(item)
                     return False
                 self._close_budget -= 1
-            if len(self.items) < max(1, self.maxsize // 2) and not full:
+            if len(self.items) < self._half and not full:
                 return True
             self._storm(item)  # a subscriber publishing into a half-full inbox
             return False
@@ -352,8 +348,7 @@ class Inbox:
         """From now on subscribers may publish at most `maxsize` more events (what they say
         while closing still arrives; a feedback storm cannot hold the close open)."""
         self._close_budget = self.maxsize
-        self._wake_at = 0  # every put takes the slow path, which counts
-        self._refresh()
+        self._refresh()  # every put takes the slow path, which counts
 
     def space(self) -> None:
         """Tell waiting publishers to look again (the loop drained, or ended)."""

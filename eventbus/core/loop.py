@@ -70,7 +70,6 @@ class BusLoop:
         self.hung: tuple[str, ...] = ()
         self._ready = threading.Event()
         self._done = threading.Event()
-        self._closing = False
         self._deadline = math.inf
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tg: TaskGroup | None = None
@@ -97,7 +96,6 @@ class BusLoop:
     def close(self, deadline: float) -> None:
         """Begin the shutdown; everything must be done by `deadline` (time.monotonic)."""
         self._deadline = deadline
-        self._closing = True
         self.router.closing = True
         self.inbox.begin_close()
         self.inbox.wake()
@@ -105,12 +103,11 @@ class BusLoop:
     def give_up(self) -> None:
         """Stop waiting for anyone now: count what is left as lost (a second Ctrl-C)."""
         self._deadline = time.monotonic()
-        self._closing = True
         self.router.closing = True
         loop, scope = self._loop, self._shutdown_scope
-        if loop is not None:
+        if loop is not None and scope is not None:  # else the shutdown has not begun
             with contextlib.suppress(RuntimeError):  # the loop already ended
-                loop.call_soon_threadsafe(scope.cancel if scope is not None else _noop)
+                loop.call_soon_threadsafe(scope.cancel)
         self.inbox.wake()
 
     def wait(self, timeout: float | None) -> bool:
@@ -227,7 +224,7 @@ class BusLoop:
             self._wake_evt.set()
 
     async def _route_until_closing(self) -> None:
-        while not self._closing:
+        while not self.router.closing:
             await self.router.drain()
             if len(self.inbox):
                 await anyio.sleep(0)  # more arrived while routing: let subscribers run first
@@ -262,7 +259,7 @@ class BusLoop:
         async def retire() -> None:
             publisher.set(d.name)
             try:
-                await self._close_one(d, self._deadline if self._closing else math.inf)
+                await self._close_one(d, self._deadline if self.router.closing else math.inf)
                 if d.state is State.CLOSED:
                     d.release()  # a subscribe/remove per evaluation must not pile up objects
             finally:
@@ -367,7 +364,3 @@ class BusLoop:
                 self._hang(d)  # abandoned inside its own code: named
             else:
                 d.abandon()
-
-
-def _noop() -> None:
-    return None

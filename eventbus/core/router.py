@@ -88,15 +88,12 @@ class Router:
 
         `force`: never wait for room in a lossless queue (shutdown: nobody may hold it up).
         """
-        async with self._draining:  # one drain at a time: FIFO even across the loop's tasks
-            await self._drain(chunk, force)
-
-    async def _drain(self, chunk: int, force: bool) -> None:
         inbox = self.inbox
-        try:
-            await self._route_all(inbox.items, min(inbox.note_high_water(), chunk), force)
-        finally:
-            inbox.space()  # publishers waiting on a full inbox look again
+        async with self._draining:  # one drain at a time: FIFO even across the loop's tasks
+            try:
+                await self._route_all(inbox.items, min(inbox.note_high_water(), chunk), force)
+            finally:
+                inbox.space()  # publishers waiting on a full inbox look again
 
     async def _route_all(self, items: deque[Any], n: int, force: bool) -> None:
         """Pop and route `n` items straight from the inbox: one in hand at a time, so what a
@@ -209,10 +206,7 @@ class Router:
         live = self.deliveries
         marker.remaining = len(live) + 1
         for d in live:
-            if marker.flush_hooks:
-                d.add_marker(self._then_flush(d, marker))
-            else:
-                d.add_marker(marker.one_done)
+            d.add_marker(self._then_flush(d, marker))
         marker.one_done()
 
     def _then_flush(self, d: Delivery, marker: Flush) -> Callable[[], None]:
@@ -228,7 +222,7 @@ class Router:
         finally:
             marker.one_done()
 
-    def remaining(self) -> list[Any]:
+    def remaining(self) -> None:
         """What is still in the inbox (shutdown gave up): count it lost for its subscribers."""
         hand, self._hand = self._hand, None
         if hand is not None:  # the event in hand when the loop stopped: not routed to these
@@ -238,12 +232,7 @@ class Router:
                 rest = self.targets(type(ev), cache=False)
             for d in rest:
                 d.lost_at_close += 1
-        lost = self.inbox.take(len(self.inbox))
-        self._count_lost(lost)
-        return lost
-
-    def _count_lost(self, lost: list[Any]) -> None:
-        for entry in lost:
+        for entry in self.inbox.take(len(self.inbox)):
             item = entry
             if type(entry) is Boxed:
                 self.inbox.unbox(entry)

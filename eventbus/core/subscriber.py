@@ -19,6 +19,7 @@ __all__ = [
     "SubscriberGone",
     "describe",
     "event_types",
+    "is_async",
     "positive",
     "subscribe_options",
     "takes_argument",
@@ -71,6 +72,14 @@ def unique_name(base: str, taken: set[str]) -> str:
         name, i = f"{base}#{i}", i + 1
     taken.add(name)
     return name
+
+
+def is_async(fn: Any) -> bool:
+    """Whether calling `fn` gives a coroutine (an `async def`, or an object with one as
+    `__call__`)."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004 - an object with an async __call__
+    )
 
 
 def takes_argument(fn: Callable[..., Any]) -> bool:
