@@ -60,7 +60,8 @@ def marked(line: bytes | str) -> bool:
 # -- encoding ----------------------------------------------------------------------------
 
 
-def _tag(v: float) -> float | str:
+def tag(v: float) -> float | str:
+    """A float as the log spells it: itself if finite, else "NaN", "Infinity", "-Infinity"."""
     if v - v == 0.0:
         return v
     return "NaN" if math.isnan(v) else "Infinity" if v > 0 else "-Infinity"
@@ -70,7 +71,7 @@ def fast(v: Any) -> Any:
     """Tag non-finite floats on the common path; raises `Escape` for a string to escape."""
     t = type(v)
     if t is float:
-        return _tag(v)
+        return tag(v)
     if t is str:
         if v in TAGS or v[:1] == _ESC:
             raise Escape
@@ -96,7 +97,7 @@ def exact(v: Any, depth: int = 0) -> Any:  # noqa: PLR0911 - one return per kind
     if t is str:
         return _ESC + v if v in TAGS or v[:1] == _ESC else v
     if t is float:
-        return _tag(v)
+        return tag(v)
     if t is int:
         if not _INT_MIN <= v < _INT_END:
             raise ValueError(

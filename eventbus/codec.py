@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 
 from eventbus._codec_classes import CODECS, STAMP_CHECKS, STAMP_KINDS, STAMPS, STR, codec_of
-from eventbus._codec_values import MAX_DEPTH, InvalidValue, exact, marked, restore, stamp
+from eventbus._codec_values import MAX_DEPTH, InvalidValue, exact, marked, restore, stamp, tag
 from eventbus.events import Event, UnknownEvent, event_type
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "decode",
     "encode",
     "iter_lines",
+    "tag",
     "to_dict",
 ]
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import codecs
 import heapq
 import itertools
-import math
 import os
 import typing
 from collections.abc import Iterable, Iterator
@@ -22,7 +21,7 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from eventbus.codec import RECORD_PREFIX, EventDecodeError, decode, encode
+from eventbus.codec import RECORD_PREFIX, EventDecodeError, decode, encode, tag
 from eventbus.events import Event
 from eventbus.log import get_logger
 
@@ -100,8 +99,8 @@ def record(type_name: str, **info: Any) -> bytes:
 
 def _plain(v: Any) -> Any:
     """Non-finite floats spelled as the codec spells them (orjson would write null)."""
-    if isinstance(v, float) and not math.isfinite(v):
-        return "NaN" if math.isnan(v) else "Infinity" if v > 0 else "-Infinity"
+    if isinstance(v, float):
+        return tag(v)
     if isinstance(v, dict):
         return {str(k): _plain(x) for k, x in v.items()}
     if isinstance(v, list | tuple):
