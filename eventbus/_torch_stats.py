@@ -1,64 +1,61 @@
 """Tensor statistics on the device, and their publishing with one device->host copy.
 
-`measure` queues norm, mean, std, absmax, NaN and Inf counts (and optionally a histogram) as
-torch ops on the tensor's own device; `publishable` stacks a group's statistics into one
-tensor per device, captured with one non-blocking copy, and makes one `TensorStats` per
-tensor whose fields are parts of it. Nothing here reads a device value.
+`reduce_tensor` / `measure` queue one tensor's partials (`eventbus._torch_reduce`: 4 ops for a
+float32 tensor, 5 for bfloat16/float16); `measure_many` measures a model's weights or
+gradients with a constant number of ops for all its small tensors together (packed per device
+and dtype) and per-tensor reductions for large ones. `publishable` turns any mix of entries
+into `TensorStats`: per device, the partials are stacked, combined into norm, mean, std,
+absmax and counts by vectorised float64 ops (a constant number, however many entries), and
+captured with one non-blocking copy; each event's fields are parts of that capture.
+Nothing here reads a device value.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from eventbus._torch_reduce import PACK, SMALL, host_tensor, reduce_packed, reduce_tensor
 from eventbus.capture import capture_shared
 from eventbus.events import TensorStats
 
-__all__ = ["Entry", "measure", "publishable", "tensor_stats"]
+__all__ = [
+    "Entry",
+    "entry",
+    "measure",
+    "measure_many",
+    "publishable",
+    "reduce_tensor",
+    "tensor_stats",
+]
 
-_NSTATS = 4  # norm, mean, std, absmax (floats), then nan_count, inf_count (ints)
+_FIELDS = 6  # norm, mean, std, absmax, nan_count, inf_count; then hist min, max, counts
 
 
 @dataclass(slots=True)
 class Entry:
-    """One tensor's statistics, still on its device."""
+    """One tensor's statistics, still on its device: partials (`eventbus._torch_reduce`)."""
 
     name: str
     kind: str
     dtype: str
     shape: tuple[int, ...]
-    stats: torch.Tensor  # (4,) float32: norm, mean, std, absmax
-    counts: torch.Tensor  # (2,) int64: nan, inf
-    hist: torch.Tensor | None  # (bins + 2,) float32: min, max, counts
+    parts: tuple[torch.Tensor, ...]  # this tensor's own (0-d), or a packed group's (k, ...)
+    row: int | None = None  # the row of a packed group's partials; None: parts are its own
 
 
-def _compute(t: torch.Tensor, bins: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Statistics of `t` as device tensors; every op is queued on t's device, none is read."""
-    x = t.detach()
-    # float32 accumulation: bf16/fp16 sums lose precision and fp16 norms overflow at 65504.
-    xf = x if x.dtype == torch.float32 else x.float()
-    n = xf.numel()
-    mean = xf.mean()
-    # Two-pass std (sample, as Tensor.std): exact in float32, and ~6x faster on CPU than
-    # torch.std_mean's Welford kernel. `n` is host metadata: reading it is no sync.
-    std = torch.linalg.vector_norm(xf - mean) / math.sqrt(max(n - 1, 1))
-    lo, hi = torch.aminmax(xf)
-    stats = torch.stack([torch.linalg.vector_norm(xf), mean, std, torch.maximum(hi, -lo)])
-    counts = torch.stack([torch.isnan(xf).sum(), torch.isinf(xf).sum()])
-    hist = None
-    if bins:
-        finite = torch.isfinite(xf)
-        flo = torch.where(finite, xf, torch.inf).amin()
-        fhi = torch.where(finite, xf, -torch.inf).amax()
-        # Rescaled to [0, 1] on the device: torch.histc with min == max would read the data's
-        # range back to the host (a sync); fixed bounds never do. Non-finite values fall
-        # outside [0, 1] and are not counted.
-        u = (xf - flo) / (fhi - flo).clamp_min(torch.finfo(torch.float32).tiny)
-        hist = torch.cat([torch.stack([flo, fhi]), torch.histc(u, bins=bins, min=0.0, max=1.0)])
-    return stats, counts, hist
+def entry(
+    name: str, kind: str, dtype: str, shape: Sequence[int], parts: tuple[torch.Tensor, ...]
+) -> Entry:
+    """An `Entry` for partials computed earlier (perhaps in a compiled graph).
+
+    `dtype` is `str(t.dtype)`, `shape` ints: metadata read when `t` was reduced, no device read.
+    """
+    return Entry(name, kind, dtype, tuple(int(d) for d in shape), tuple(parts))
 
 
 def tensor_stats(
@@ -74,9 +71,40 @@ def tensor_stats(
 
 
 def measure(t: torch.Tensor, name: str, kind: str, bins: int) -> Entry:
-    """Queue the statistics of `t` on its device (none is read)."""
-    stats, counts, hist = _compute(t, bins)
-    return Entry(name, kind, str(t.dtype), tuple(t.shape), stats, counts, hist)
+    """Queue the partial statistics of `t` on its device (none is read)."""
+    return entry(name, kind, str(t.dtype), t.shape, reduce_tensor(t, bins))
+
+
+def measure_many(named: Sequence[tuple[str, torch.Tensor]], kind: str, bins: int) -> list[Entry]:
+    """Entries for many tensors (a model's weights or gradients), in the order given.
+
+    Contiguous tensors of at most `SMALL` elements are packed per (device, dtype) into buffers
+    of at most `PACK` elements, each reduced by a constant number of ops. Larger (or strided)
+    tensors are reduced one by one (`reduce_tensor`): on a GPU a segmented reduction gives a
+    large segment one thread block, far slower than a reduction of its own.
+    """
+    out: list[Entry | None] = [None] * len(named)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, (name, t) in enumerate(named):
+        n = t.numel()
+        if n == 0 or n > SMALL or not t.is_contiguous():
+            out[i] = measure(t, name, kind, bins)
+        else:
+            groups.setdefault((t.device, t.dtype), []).append(i)
+    for members in groups.values():
+        batch: list[int] = []
+        size = 0
+        for i in [*members, -1]:  # -1: the end, flushes the last batch
+            n = named[i][1].numel() if i >= 0 else PACK + 1
+            if batch and size + n > PACK:
+                parts = reduce_packed([named[j][1] for j in batch], bins)
+                for row, j in enumerate(batch):
+                    name, t = named[j]
+                    out[j] = Entry(name, kind, str(t.dtype), tuple(t.shape), parts, row)
+                batch, size = [], 0
+            batch.append(i)
+            size += n
+    return [e for e in out if e is not None]
 
 
 def publishable(entries: list[Entry], step: int | None) -> list[TensorStats]:
@@ -84,46 +112,94 @@ def publishable(entries: list[Entry], step: int | None) -> list[TensorStats]:
     events: list[TensorStats] = []
     by_device: dict[torch.device, list[Entry]] = {}
     for e in entries:
-        by_device.setdefault(e.stats.device, []).append(e)
+        by_device.setdefault(e.parts[0].device, []).append(e)
     for group in by_device.values():
-        n = len(group)
-        parts = [
-            torch.stack([e.stats for e in group]).reshape(-1).double(),
-            torch.stack([e.counts for e in group]).reshape(-1).double(),
-        ]
-        hists = [e.hist for e in group if e.hist is not None]
-        if len(hists) == n:
-            parts.append(torch.stack(hists).reshape(-1).double())
-        # One non-blocking copy of the whole group into pinned memory; float64 holds float32
-        # statistics and int64 counts (up to 2**53) exactly.
-        shared = capture_shared(torch.cat(parts))
-        counts_at = _NSTATS * n
-        hist_at = counts_at + 2 * n
-        for i, e in enumerate(group):
-            s = _NSTATS * i
-            hist: Any = None
-            if e.hist is not None and len(hists) == n:
-                width = e.hist.shape[0]
-                h = hist_at + width * i
-                hist = {
-                    "min": shared.part(h),
-                    "max": shared.part(h + 1),
-                    "counts": shared.part(h + 2, h + width, int),
-                }
-            events.append(
-                TensorStats(
-                    step=step,
-                    name=e.name,
-                    kind=e.kind,
-                    dtype=e.dtype,
-                    shape=e.shape,
-                    norm=shared.part(s),
-                    mean=shared.part(s + 1),
-                    std=shared.part(s + 2),
-                    absmax=shared.part(s + 3),
-                    nan_count=shared.part(counts_at + 2 * i, kind=int),
-                    inf_count=shared.part(counts_at + 2 * i + 1, kind=int),
-                    histogram=hist,
-                )
-            )
+        events += _events(group, step)
     return events
+
+
+def _events(group: list[Entry], step: int | None) -> list[TensorStats]:
+    """One device's events: partials stacked, combined, captured once (constant op count)."""
+    singles = [e for e in group if e.row is None]
+    packs: dict[int, tuple[torch.Tensor, ...]] = {}  # each packed group's partials, once
+    at: dict[int, int] = {}  # where a packed group's rows start
+    rows = len(singles)
+    for e in group:
+        if e.row is not None and id(e.parts) not in packs:
+            packs[id(e.parts)] = e.parts
+            at[id(e.parts)] = rows
+            rows += e.parts[0].shape[0]
+    width = {e.parts[7].shape[-1] if len(e.parts) == 8 else -1 for e in group}
+    nparts = 8 if len(width) == 1 and -1 not in width else 5  # histograms only if all have one
+    cols: list[list[torch.Tensor]] = [[] for _ in range(nparts)]
+    # float64 holds float32 statistics and counts (up to 2**53) exactly; packed partials are
+    # float64 or exact in float32 (counts under 2**24), and torch.cat promotes to float64.
+    if singles:
+        for i, col in enumerate(cols):
+            col.append(torch.stack([e.parts[i] for e in singles]).double())
+    for parts in packs.values():
+        for i, col in enumerate(cols):
+            col.append(parts[i])
+    var, mean, lo, hi, counts, *hist = [
+        (torch.cat(c) if len(c) > 1 else c[0]).double() for c in cols
+    ]
+    single = {id(e): i for i, e in enumerate(singles)}
+    pos = [single[id(e)] if e.row is None else at[id(e.parts)] + e.row for e in group]
+    sizes = [1.0] * rows
+    for p, e in zip(pos, group, strict=True):
+        sizes[p] = float(math.prod(e.shape))  # host metadata
+    n = host_tensor(sizes, torch.float64, var.device)  # no sync: see host_tensor
+    stats = _combine(n, var, mean, lo, hi, counts)
+    flat = stats.reshape(-1)
+    if hist:
+        flat = torch.cat([flat, hist[0], hist[1], hist[2].reshape(-1)])
+    # One non-blocking copy of the whole group into pinned memory.
+    shared = capture_shared(flat)
+    events = []
+    for p, e in zip(pos, group, strict=True):
+        h: Any = None
+        if hist:
+            b = hist[2].shape[-1]
+            base = (_FIELDS + 2) * rows + b * p
+            h = {
+                "min": shared.part(_FIELDS * rows + p),
+                "max": shared.part((_FIELDS + 1) * rows + p),
+                "counts": shared.part(base, base + b, int),
+            }
+        events.append(
+            TensorStats(
+                step=step,
+                name=e.name,
+                kind=e.kind,
+                dtype=e.dtype,
+                shape=e.shape,
+                norm=shared.part(p),
+                mean=shared.part(rows + p),
+                std=shared.part(2 * rows + p),
+                absmax=shared.part(3 * rows + p),
+                nan_count=shared.part(4 * rows + p, kind=int),
+                inf_count=shared.part(5 * rows + p, kind=int),
+                histogram=h,
+            )
+        )
+    return events
+
+
+def _combine(n: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor:
+    """(6, rows) float64: norm, mean, std, absmax, nan and inf counts, as eager torch gives them.
+
+    `parts`: var, mean, lo, hi, counts (float64, one row per tensor); `n`: the element counts.
+    """
+    var, mean, lo, hi, counts = parts
+    nan = n - counts[:, 0]
+    neg_inf = counts[:, 0] - counts[:, 1]
+    pos_inf = counts[:, 2]
+    inf = neg_inf + pos_inf
+    only_inf = (inf > 0) & (nan == 0)  # NaN anywhere already makes var and mean NaN
+    # sum(x**2) = n * (var + mean**2): two non-negative terms, no cancellation.
+    norm = torch.where(only_inf, math.inf, (n * (var + mean * mean)).sqrt())
+    signed = torch.where(neg_inf == 0, math.inf, torch.where(pos_inf == 0, -math.inf, math.nan))
+    mean = torch.where(only_inf, signed, mean)  # Welford's mean of [1, inf, 2] is NaN; sum's inf
+    std = torch.where(inf > 0, math.nan, (var * n / (n - 1)).sqrt())  # n == 1: 0/0, NaN
+    absmax = torch.maximum(lo.abs(), hi.abs())  # NaN propagates, as in Tensor.abs().max()
+    return torch.stack([norm, mean, std, absmax, nan, inf])
