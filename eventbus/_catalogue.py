@@ -49,6 +49,7 @@ _ORDER = (
     "MemoryLeakSuspected",
     "MemorySnapshotSaved",
     "TensorStats",
+    "TensorLayout",
     "DivergenceDetected",
     "StopRequested",
 )

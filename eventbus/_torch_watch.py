@@ -1,21 +1,35 @@
 """`watch()`: `TensorStats` of a model's weights, gradients and module outputs every N-th step.
 
-The statistics are computed with torch ops on each tensor's device and a step's are captured
-with one non-blocking copy per device (`eventbus._torch_stats`); the bus thread unpacks them
-into plain numbers. Nothing here reads a device value on the training thread.
+One code path, eager or under torch.compile (either order of compile and watch):
+- the root module's hooks and a forward hook per selected module stay installed; on an
+  unwatched step each returns at once (`self.active` is False);
+- weights are measured when a watched forward starts and gradients when they are accumulated,
+  in eager code, with foreach ops (`measure_many`);
+- activations are reduced where they are made (`reduce_tensor`). Compiled, that is inside the
+  graph, where inductor fuses it, and the partial results leave it through one ordered op
+  (`eventbus::watch_end`) that publishes them when the graph runs.
+Under compile the graph is chosen when the forward is called, so `active` must be known by
+then: it is set for the next forward when a forward ends, by `watcher.step(n)` and by
+`bus.step(n)` scopes. dynamo makes two graphs (watched and not). Nothing here reads a device
+value; `what="dtype"` reads host metadata only (`TensorLayout` events).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import types
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any
 
 import torch
 
+from eventbus import _torch_ops as ops
+from eventbus._compiling import compiling
 from eventbus._torch_hooks import leaves, queue_after_backward, resolve_bus
-from eventbus._torch_stats import Entry, measure, publishable
-from eventbus.steps import current_step
+from eventbus._torch_stats import Entry, entry, measure_many, publishable, reduce_tensor
+from eventbus.events import TensorLayout
+from eventbus.log import get_logger
+from eventbus.steps import current_step, on_step_change
 
 __all__ = ["KINDS", "Watcher", "watch"]
 
@@ -28,10 +42,8 @@ class Watcher:
 
     Step numbers, in order of precedence: the last `watcher.step(n)`; else the innermost open
     `bus.step(n)` scope; else a count of the model's forward calls (1, 2, ...). Statistics are
-    published at steps where `step % every == 0`. Between watched steps only two hooks stay
-    on the root module: the per-module and per-parameter hooks are installed when a watched
-    step's forward starts and taken off when its forward (activations) and backward (grads)
-    end, so an unwatched step costs two Python calls.
+    published at steps where `step % every == 0`. `missed` counts compiled forwards whose
+    activations were lost because the step changed after the forward was called.
     """
 
     def __init__(
@@ -45,35 +57,52 @@ class Watcher:
         bins: int,
         modules: Callable[[str, torch.nn.Module], bool] | None,
     ) -> None:
+        root = _uncompiled(model)
         self.model = model
         self.bus = bus
         self.every = every
-        self.what = frozenset(what)
+        kinds = frozenset(what)
+        self.layout_only = "dtype" in kinds
+        self.what = (kinds - {"dtype"}) or frozenset(KINDS)
         self.bins = bins if histogram else 0
         self.enabled = True
+        self.missed = 0
+        self.active = False  # read by the hooks; under compile, a guard of the graph
+        self._id = ops.register_watcher(self)
         self._manual: int | None = None
         self._count = 0
         self._step: int | None = None
-        self._active = False
+        self._watched = False  # whether the forward running now is watched (eager truth)
         self._weights_step: int | None = None
-        self._pending: list[Entry] = []  # this forward's weights and activations
-        self._grads: list[Entry] = []  # this backward's gradients
+        self._pending: list[Entry] = []  # this forward's weights (and eager activations)
+        self._traced: list[tuple[str, str, tuple[Any, ...], tuple[torch.Tensor, ...]]] = []
+        self._grads: list[tuple[str, torch.Tensor]] = []
         self._grad_flush_queued = False
-        selected = [(n, m) for n, m in model.named_modules() if modules is None or modules(n, m)]
-        self._root_selected = any(m is model for _, m in selected)
-        self._modules = [(n, m) for n, m in selected if m is not model]
+        self._seen: dict[str, tuple[str, tuple[int, ...]]] = {}  # layout last published
+        self._layout_buf: list[Any] = []  # this step's weights, published with activations
+        selected = [(n, m) for n, m in root.named_modules() if modules is None or modules(n, m)]
+        self._root_selected = any(m is root for _, m in selected)
         chosen = {id(m) for _, m in selected}
         self._params = [
             (n, p)
-            for n, p in model.named_parameters()
-            if modules is None or id(model.get_submodule(n.rpartition(".")[0])) in chosen
+            for n, p in root.named_parameters()
+            if modules is None or id(root.get_submodule(n.rpartition(".")[0])) in chosen
         ]
         self._handles: list[Any] = [
-            model.register_forward_pre_hook(self._on_forward_start),
-            model.register_forward_hook(self._on_forward_end),
+            root.register_forward_pre_hook(self._on_forward_start),
+            root.register_forward_hook(self._on_forward_end),
         ]
-        self._output_hooks: list[Any] = []  # installed for a watched forward only
+        if "activations" in self.what:
+            self._handles += [
+                m.register_forward_hook(partial(self._on_output, n))
+                for n, m in selected
+                if m is not root
+            ]
         self._grad_hooks: list[Any] = []  # installed for a watched backward only
+        on_step_change(bus, self._predict)
+        self._predict()
+        if root is not model or getattr(model, "_compiled_call_impl", None) is not None:
+            _forget_compiled(model, root)
 
     @property
     def current(self) -> int | None:
@@ -85,14 +114,17 @@ class Watcher:
         if type(n) is not int:
             raise TypeError(f"watcher.step() takes an int; got {n!r:.80}")
         self._manual = n
+        self._predict()
 
     def remove(self) -> None:
         """Remove every hook this watcher installed (idempotent)."""
-        for hooks in (self._handles, self._output_hooks, self._grad_hooks):
-            _drop(hooks)
+        _drop(self._handles)
+        _drop(self._grad_hooks)
         self._pending.clear()
+        self._traced.clear()
         self._grads.clear()
-        self._active = False
+        self.active = False
+        self.enabled = False
 
     def __enter__(self) -> Watcher:
         return self
@@ -100,11 +132,47 @@ class Watcher:
     def __exit__(self, *exc: object) -> None:
         self.remove()
 
-    # hooks (training thread; backward hooks may run on autograd's device threads)
+    # hooks: traced into the graph under torch.compile, so only tensor ops and the two ops
 
     def _on_forward_start(self, module: torch.nn.Module, args: Any) -> None:
+        if compiling():
+            torch.ops.eventbus.watch_begin(self._id)  # runs `begin` when the graph runs
+        else:
+            self.begin(compiled=False)
+
+    def _on_output(self, name: str, module: torch.nn.Module, args: Any, out: Any) -> None:
+        if not self.active:  # under compile: a guard; the unwatched graph has no hook code
+            return
+        for label, t in leaves(out, name):
+            if not t.is_floating_point() or not t.numel():
+                continue
+            if self.layout_only:
+                parts: tuple[torch.Tensor, ...] = ()
+            else:
+                parts = reduce_tensor(t.detach(), self.bins)  # queued on t's device; no read
+            # Shapes and dtypes are metadata: reading them never touches the device.
+            self._traced.append((label, str(t.dtype), tuple(t.shape), parts))
+
+    def _on_forward_end(self, module: torch.nn.Module, args: Any, out: Any) -> None:
+        if self._root_selected and "activations" in self.what:
+            self._on_output("", module, args, out)
+        items = list(self._traced)
+        self._traced.clear()
+        if compiling():
+            meta = tuple((label, dt, len(shape), len(parts)) for label, dt, shape, parts in items)
+            flat = [p for *_, parts in items for p in parts]
+            sizes = [d for _, _, shape, _ in items for d in shape]  # ints, or symbolic sizes
+            torch.ops.eventbus.watch_end(
+                flat, sizes, ops.watch_site(self._id, meta)
+            )  # publishes when run
+        else:
+            self.end(items)
+
+    # eager: called by the hooks, or by the ops when the compiled graph runs
+
+    def begin(self, *, compiled: bool) -> None:
+        """A forward starts: number it, decide whether it is watched, measure the weights."""
         self._pending.clear()  # what a forward that raised left behind
-        _drop(self._output_hooks)
         step = self._manual
         if step is None:
             step = current_step(self.bus)
@@ -112,17 +180,21 @@ class Watcher:
             self._count += 1
             step = self._count
         self._step = step
-        self._active = self.enabled and step % self.every == 0
-        if not self._active:
+        watched = self.enabled and step % self.every == 0
+        if compiled and watched and not self.active and "activations" in self.what:
+            self._missed(step)
+        self._watched = watched
+        if not compiled:
+            self.active = watched
+        if not watched:
             _drop(self._grad_hooks)  # a watched forward with no backward left them on
             return
         if "weights" in self.what and self._weights_step != step:
             self._weights_step = step  # once per step, also with gradient accumulation
-            self._pending.extend(measure(p, n, "weights", self.bins) for n, p in self._params)
-        if "activations" in self.what:
-            self._output_hooks.extend(
-                m.register_forward_hook(partial(self._on_output, n)) for n, m in self._modules
-            )
+            if self.layout_only:  # published with the activations, at the forward's end
+                self._layout_buf = _layout("weights", self._params)
+            else:  # foreach ops on the parameters' devices; nothing is read
+                self._pending += measure_many(self._params, "weights", self.bins)
         if "grads" in self.what and not self._grad_hooks:
             self._grad_hooks.extend(
                 p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
@@ -132,26 +204,45 @@ class Watcher:
                 if p.requires_grad
             )
 
-    def _on_output(self, name: str, module: torch.nn.Module, args: Any, out: Any) -> None:
-        if not self._active:
-            return
-        for label, t in leaves(out, name):
-            if t.is_floating_point() and t.numel():
-                self._pending.append(measure(t, label, "activations", self.bins))
-
-    def _on_forward_end(self, module: torch.nn.Module, args: Any, out: Any) -> None:
-        _drop(self._output_hooks)
-        if self._active and self._root_selected and "activations" in self.what:
-            self._on_output("", module, args, out)
-        if self._pending:
-            entries, self._pending = self._pending, []
+    def end(self, items: list[tuple[str, str, tuple[Any, ...], tuple[torch.Tensor, ...]]]) -> None:
+        """A forward ended: publish what it measured; decide whether the next one is watched."""
+        if self._watched and self.layout_only:
+            layout, self._layout_buf = self._layout_buf, []
+            self._publish_layout(layout + [(f"activations/{n}", d, s) for n, d, s, _ in items])
+        elif self._watched:
+            self._pending += [
+                entry(label, "activations", dtype, shape, parts)
+                for label, dtype, shape, parts in items
+            ]
+        entries, self._pending = self._pending, []
+        if entries:
             for ev in publishable(entries, self._step):
                 self.bus.publish(ev)
+        self._predict()
+
+    def _predict(self) -> None:
+        """Set `active` for the next forward (compiled graphs are chosen by it at the call)."""
+        step = self._manual
+        if step is None:
+            step = current_step(self.bus)
+        if step is None:
+            step = self._count + 1
+        self.active = self.enabled and step % self.every == 0
+
+    def _missed(self, step: int) -> None:
+        self.missed += 1
+        if self.missed == 1:
+            get_logger().warning(
+                "watch(): a compiled forward of a watched step ran without its activation "
+                "hooks (the step was decided after the call); number steps before the "
+                "forward with bus.step(n) or watcher.step(n)",
+                step=step,
+            )
 
     def _on_grad(self, name: str, p: torch.Tensor) -> None:
-        if not self._active or p.grad is None:
+        if not self._watched or p.grad is None:
             return
-        self._grads.append(measure(p.grad, name, "grads", self.bins))
+        self._grads.append((name, p.grad))
         if not self._grad_flush_queued:
             self._grad_flush_queued = True
             queue_after_backward(self._flush_grads)
@@ -159,10 +250,70 @@ class Watcher:
     def _flush_grads(self) -> None:
         self._grad_flush_queued = False
         _drop(self._grad_hooks)  # the backward is over: nothing to watch until the next step
-        entries, self._grads = self._grads, []
-        if entries:
-            for ev in publishable(entries, self._step):
-                self.bus.publish(ev)
+        grads, self._grads = self._grads, []
+        if not grads:
+            return
+        if self.layout_only:
+            self._publish_layout(_layout("grads", grads))
+            return
+        for ev in publishable(measure_many(grads, "grads", self.bins), self._step):
+            self.bus.publish(ev)
+
+    def _publish_layout(self, items: list[tuple[str, str, tuple[Any, ...]]]) -> None:
+        """One `TensorLayout` of what changed since last published (host metadata only)."""
+        changed: dict[str, Any] = {}
+        for key, dtype, shape in items:
+            now = (dtype, tuple(int(d) for d in shape))
+            if self._seen.get(key) != now:
+                self._seen[key] = now
+                changed[key] = {"dtype": dtype, "shape": list(now[1])}
+        if changed:
+            self.bus.publish(TensorLayout(step=self._step, changed=changed, tensors=len(items)))
+
+
+def _layout(kind: str, named: Sequence[tuple[str, torch.Tensor]]) -> list[Any]:
+    """("kind/name", dtype, shape) of each tensor: metadata, never a device read."""
+    return [(f"{kind}/{n}", str(t.dtype), tuple(t.shape)) for n, t in named]
+
+
+def _forget_compiled(model: torch.nn.Module, root: torch.nn.Module) -> None:
+    """Drop compiled code traced before the hooks existed: dynamo does not guard on hooks.
+
+    The code is shared by modules of the same class (and by every `torch.compile(module)`):
+    those recompile once on their next call. Logged, never silent.
+    """
+    codes = [type(root).forward.__code__]
+    for f in (
+        getattr(getattr(model, "forward", None), "__wrapped__", None),  # OptimizedModule's
+        torch.nn.Module._wrapped_call_impl,
+        torch.nn.Module._call_impl,
+    ):
+        fn = getattr(f, "__func__", f)  # a bound method: its function
+        if isinstance(fn, types.FunctionType):
+            codes.append(fn.__code__)
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list, reset_code
+    except ImportError:  # another torch: say what to do instead
+        get_logger().warning(
+            "watch(): cannot tell whether this compiled model already ran; if it did, its "
+            "compiled code skips the hooks: call watch() before the first call"
+        )
+        return
+    stale = [c for c in codes if _debug_get_cache_entry_list(c)]
+    for code in stale:
+        reset_code(code)
+    if stale:
+        get_logger().warning(
+            "watch(): the compiled model already ran without hooks; its compiled code was "
+            "dropped and recompiles once (call watch() before the first call to avoid it)",
+            model=type(root).__qualname__,
+        )
+
+
+def _uncompiled(model: torch.nn.Module) -> torch.nn.Module:
+    """The module `torch.compile` wrapped (names without `_orig_mod.`), else `model`."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, torch.nn.Module) else model
 
 
 def _drop(handles: list[Any]) -> None:
@@ -185,17 +336,19 @@ def watch(
 
     Names are those of `named_parameters()` (weights, grads) and `named_modules()`
     (activations; the root module is ""; extra tensors of a tuple/dict output get a suffix
-    such as "attn[1]"). `modules(name, module)` selects modules. `bus` defaults to
-    `eventbus.get_bus()`. Returns a `Watcher`; `.remove()` takes every hook off.
+    such as "attn[1]"), the same for a compiled model. `what="dtype"` (alone or with kinds)
+    publishes `TensorLayout` (dtypes and shapes that changed) instead: no device work.
+    `modules(name, module)` selects modules. `bus` defaults to `eventbus.get_bus()`.
+    Returns a `Watcher`; `.remove()` takes every hook off.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"watch() takes a torch.nn.Module; got {type(model).__qualname__}")
     if type(every) is not int or every < 1:
         raise ValueError(f"every must be an int >= 1 (publish every N-th step); got {every!r}")
     kinds = (what,) if isinstance(what, str) else tuple(what)
-    bad = [k for k in kinds if k not in KINDS]
+    bad = [k for k in kinds if k not in (*KINDS, "dtype")]
     if bad or not kinds:
-        raise ValueError(f"what= takes some of {KINDS}; got {what!r}")
+        raise ValueError(f"what= takes some of {(*KINDS, 'dtype')}; got {what!r}")
     if histogram and (type(bins) is not int or bins < 1):
         raise ValueError(f"bins must be an int >= 1; got {bins!r}")
     return Watcher(

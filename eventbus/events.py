@@ -35,6 +35,7 @@ __all__ = [
     "StepEnded",
     "StepStarted",
     "StopRequested",
+    "TensorLayout",
     "TensorStats",
     "UnknownEvent",
     "event_fields",
@@ -280,6 +281,19 @@ class TensorStats(Event):
     nan_count: Number | None = None
     inf_count: Number | None = None
     histogram: Any = None
+
+
+@dataclass(slots=True, kw_only=True)
+class TensorLayout(Event):
+    """Dtypes and shapes `watch(what="dtype")` saw change: host metadata, no device work.
+
+    `changed` maps "kind/name" (e.g. "weights/fc.weight", "activations/" for the root) to
+    {"dtype": "torch.bfloat16", "shape": [64, 32]}; the first watched step lists every tensor.
+    `tensors` is how many were looked at.
+    """
+
+    changed: dict[str, Any] = field(default_factory=dict)
+    tensors: int = 0
 
 
 @dataclass(slots=True, kw_only=True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import weakref
+from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +38,7 @@ from eventbus.events import (
 if TYPE_CHECKING:
     from eventbus.core.handle import BusHandle
 
-__all__ = ["PHASES", "PhaseScope", "StepScope", "current_step"]
+__all__ = ["PHASES", "PhaseScope", "StepScope", "current_step", "on_step_change"]
 
 PHASES: dict[str, type[Event]] = {
     "forward": ForwardEnded,
@@ -48,6 +49,28 @@ PHASES: dict[str, type[Event]] = {
 
 # bus -> steps of the `bus.step` scopes open now (innermost last).
 _OPEN: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
+
+
+# bus -> methods called whenever one of its `bus.step` scopes opens or closes (held weakly).
+_LISTENERS: weakref.WeakKeyDictionary[Any, list[weakref.WeakMethod[Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def on_step_change(bus: BusHandle, method: Callable[[], None]) -> None:
+    """Call the bound `method` whenever a `bus.step` scope opens or closes (held weakly)."""
+    _LISTENERS.setdefault(bus, []).append(weakref.WeakMethod(method))
+
+
+def _step_changed(bus: BusHandle) -> None:
+    listeners = _LISTENERS.get(bus)
+    if listeners:
+        for ref in list(listeners):
+            fn = ref()
+            if fn is None:
+                listeners.remove(ref)
+            else:
+                fn()
 
 
 def current_step(bus: BusHandle) -> int | None:
@@ -87,6 +110,7 @@ class StepScope:
 
     def __enter__(self) -> StepScope:
         _OPEN.setdefault(self.bus, []).append(self.step)
+        _step_changed(self.bus)
         self.bus.publish(StepStarted(step=self.step))
         self._t0 = time.perf_counter()  # host wall time; never waits for the device
         return self
@@ -98,6 +122,7 @@ class StepScope:
         open_ = _OPEN.get(self.bus)
         if open_:
             open_.pop()
+        _step_changed(self.bus)
         if et is not None:
             return  # the step did not end: no StepEnded (throughput would be wrong)
         _check_count("samples", self.samples)
