@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from eventbus._capture_pools import EVENTS, POOL
+from eventbus._capture_ring import RingSlot
 from eventbus.log import RateLimiter, get_logger
 
 __all__ = ["CAPTURED", "Fence", "Part", "Pending", "Shared", "log_failure"]
@@ -100,7 +101,7 @@ class Shared:
 
     __slots__ = ("_host", "pending")
 
-    def __init__(self, pending: Pending) -> None:
+    def __init__(self, pending: Pending | RingSlot) -> None:
         self.pending = pending
         self._host: list[Any] | None = None
 
@@ -136,5 +137,5 @@ class Part:
         return [self.kind(x) for x in h[self.start : self.stop]]
 
 
-CAPTURED = (Pending, Part)
-"""The types a captured field value has until it is resolved."""
+CAPTURED = (Pending, Part, RingSlot)
+"""The types a captured field value has until it is resolved (a `RingSlot`: a CUDA scalar)."""

@@ -7,9 +7,12 @@
           buf.copy_(t, non_blocking=True)       (queued on t's current stream)
           event.record(stream)   ---------->    poll Fence.done() = event.query() (never waits)
                                                 then buf.item() / buf.clone(); buf -> POOL
+    CUDA scalar (one element): RINGS.put(t), one device-side write into a ring slot; the
+          bus thread copies every slot written so far at once (`eventbus._capture_ring`)
 
 Nothing here calls `.item()`, `.tolist()`, `.numpy()`, `float()` or `.cpu()` on the
-publishing thread. One CUDA event is recorded per publish and device, behind all its copies.
+publishing thread. One CUDA event is recorded per publish and device, behind its pinned
+copies (none for scalars written into a ring).
 A tensor with one element reaches subscribers as the Python number `.item()` gives (float,
 int or bool); any other as a CPU tensor. This module has no state: the process-wide pools
 (`POOL`, `EVENTS`) are in `eventbus._capture_pools`. What a capture is until the bus
@@ -24,6 +27,7 @@ from typing import Any
 
 from eventbus._capture_pending import CAPTURED, Fence, Part, Pending, Shared, log_failure
 from eventbus._capture_pools import EVENTS, POOL, EventPool, PinnedPool
+from eventbus._capture_ring import RINGS, RingSlot
 from eventbus.codec import MAX_DEPTH
 from eventbus.events import Event, event_fields
 from eventbus.log import RateLimiter, get_logger
@@ -33,10 +37,12 @@ __all__ = [
     "FIELDS",
     "PLAIN",
     "POOL",
+    "RINGS",
     "EventPool",
     "Part",
     "Pending",
     "PinnedPool",
+    "RingSlot",
     "Shared",
     "capturable_fields",
     "capture_event",
@@ -60,7 +66,7 @@ class _Capture:
         self.cuda: list[tuple[Pending, Any]] | None = None
         self.deep = False  # a container deeper than MAX_DEPTH (or a cycle) was met
 
-    def tensor(self, t: Any) -> Pending:
+    def tensor(self, t: Any) -> Pending | RingSlot:
         if t.requires_grad:
             t = t.detach()  # no grad graph kept alive; a view, no copy, no sync
         # is_cpu / is_cuda: flag reads (~0.1 us); `t.device` builds an object (~0.5 us).
@@ -73,14 +79,27 @@ class _Capture:
                 # Sparse or quantized: no pinned buffer has that layout. A device-side clone
                 # now (asynchronous); the host copy happens on the bus thread (Pending.host).
                 return Pending(t.clone())
+            if self.cuda is None:  # checked once per publish (a ring write is recorded too)
+                if _capturing():
+                    raise RuntimeError(
+                        "publish() of a CUDA tensor while a CUDA graph is being captured: the "
+                        "copy would be recorded once and every replay would overwrite one "
+                        "buffer, so subscribers would see nothing or wrong values. Publish after "
+                        "graph.replay(), outside the captured region (return the value from it)"
+                    )
+                self.cuda = []  # fence() records no event while it stays empty
+            # A one-element tensor of a common dtype: one device-side write into a ring on the
+            # current stream; the bus thread copies every slot written so far at once. None
+            # (full ring, other shape or dtype): a pinned copy of its own, below.
+            slot = RINGS.put(t)
+            if slot is not None:
+                return slot
             buf = POOL.get(t.dtype, tuple(t.shape))
             # Queued on the current stream of t's device behind the kernels that produce
             # `t`; non_blocking into pinned memory returns at once: no host-device sync
             # (a non-contiguous `t` is first made contiguous by a kernel on that stream).
             buf.copy_(t, non_blocking=True)
             p = Pending(buf, pooled=True)
-            if self.cuda is None:
-                self.cuda = []
             self.cuda.append((p, t.device))
             return p
         if t.is_meta:
@@ -106,6 +125,11 @@ class _Capture:
                 ev.record(torch.cuda.current_stream(dev))
                 f = fences[dev] = Fence(ev, dev.index)
             p.fence = f
+
+
+def _capturing() -> bool:
+    """Whether this thread's current CUDA stream is capturing a graph (a flag read; no sync)."""
+    return bool(sys.modules["torch"].cuda.is_current_stream_capturing())
 
 
 def _tensor_type() -> type | None:
@@ -221,7 +245,7 @@ class _NoTensor:
     """Stands in for torch.Tensor before torch is imported: nothing is an instance."""
 
 
-def capture_tensor(t: Any) -> Pending:
+def capture_tensor(t: Any) -> Pending | RingSlot:
     """Capture one tensor now, as `publish` would (training thread; never syncs)."""
     cap = _Capture()
     p = cap.tensor(t)
