@@ -405,8 +405,11 @@ def test_instrument_without_optimizer_counts_forwards(bus: EventBus, recorder: R
 
 
 def test_a_watched_and_instrumented_loop_never_reads_a_tensor_on_the_training_thread(
-    bus: EventBus, recorder: Recorder
+    bus: EventBus, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # The device path, as a GPU runs it (CPU tensors otherwise take a host shortcut that
+    # reads their range: host memory, no sync).
+    monkeypatch.setattr("eventbus._torch_reduce.on_host", lambda x: False)
     model = _gpt()
     # SGD, not Adam: Adam reads its CPU step counter with .item() (harmless, but a read).
     opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)

@@ -149,6 +149,15 @@ def _tensors(dtype: torch.dtype) -> Iterator[torch.Tensor]:
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
+@pytest.fixture(autouse=True, params=["device"])
+def path(request: Any, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here runs the device path (what a GPU runs: no host read), unless a test
+    asks for "host" (CPU tensors' shortcut: two-pass moments, counts only when non-finite)."""
+    if request.param == "device":
+        monkeypatch.setattr(tr, "on_host", lambda x: False)
+    return str(request.param)
+
+
 @pytest.fixture
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunk at 97 elements and pack 300 at most: the big-tensor paths on small tensors."""
@@ -160,6 +169,7 @@ def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
 # -- values -----------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("path", ["device", "host"], indirect=True)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bins", [0, 7])
 @pytest.mark.parametrize("chunks", [False, True])
