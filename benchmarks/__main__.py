@@ -76,6 +76,15 @@ def _stall(quick: bool, device: str, samples_out: dict[str, Any]) -> dict[str, A
     return out
 
 
+def _real_loop(quick: bool, device: str) -> dict[str, Any]:
+    """The GPT loop of `benchmarks/real_loop.py` on `device`; compiled rows in a full run only."""
+    if importlib.util.find_spec("benchmarks.real_loop") is None:
+        return {"real_loop.note": "benchmarks.real_loop does not exist yet; not measured"}
+    mod = importlib.import_module("benchmarks.real_loop")
+    got: dict[str, Any] = mod.run(quick, device)
+    return got
+
+
 def _derived(r: dict[str, Any]) -> dict[str, Any]:
     """Ratios and target verdicts (None where an input is missing)."""
 
@@ -152,6 +161,33 @@ def _pct(v: Any) -> str:
     return "n/a" if not isinstance(v, int | float) else f"{v * 100:+.1f}%"
 
 
+def _real_loop_rows(r: dict[str, Any]) -> list[str]:
+    """The real-loop group: a GPT's step time per variant (none when it did not run)."""
+    p = "real_loop."
+    names = r.get(p + "variants")
+    if not names:
+        return []
+    lines = [
+        "",
+        f"**A real training loop** ({r.get(p + 'model')} on {r.get(p + 'device')}, "
+        f"{r.get(p + 'device_name')}; ms per step between syncs; overhead: blockwise ratio of "
+        "means against `none`, compiled rows against `compiled_none`)",
+        "",
+        "| variant | mean | p50 | p99 | overhead |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name in names:
+        k = p + name
+        lines.append(
+            f"| {name} | {_fmt(r.get(k + '_mean_ms'))} | {_fmt(r.get(k + '_p50_ms'))} | "
+            f"{_fmt(r.get(k + '_p99_ms'))} | "
+            f"{_pct(r[k + '_overhead']) if k + '_overhead' in r else ''} |"
+        )
+    if r.get(p + "note"):
+        lines += ["", f"Not measured: {r[p + 'note']}."]
+    return lines
+
+
 def table(r: dict[str, Any]) -> str:
     """The Markdown tables of one run (docs/performance.md shows the latest full run)."""
     o = "overhead."
@@ -205,6 +241,7 @@ def table(r: dict[str, Any]) -> str:
                 f"{'' if key == 'none' else _pct(r.get(p + '_p50_inflation'))} | "
                 f"{'' if key == 'none' else _pct(r.get(p + '_p99_inflation'))} |"
             )
+    lines += _real_loop_rows(r)
     lines += [
         "",
         "**Throughput, wake-ups, GIL**",
@@ -280,7 +317,7 @@ def _update_doc(path: Path, r: dict[str, Any], command: str) -> None:
     path.write_text(text)
 
 
-PARTS = ("overhead", "wakeups", "throughput", "stall", "gil", "capture")
+PARTS = ("overhead", "wakeups", "throughput", "stall", "gil", "capture", "real_loop")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -330,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         "stall": lambda: _stall(a.quick, device, samples),
         "gil": lambda: _gil(a.quick),
         "capture": lambda: _optional_part("benchmarks.capture", "capture", a.quick),
+        "real_loop": lambda: _real_loop(a.quick, device),
     }
     failed = []
     for name in PARTS:

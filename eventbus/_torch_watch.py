@@ -73,6 +73,8 @@ class Watcher:
         self._count = 0
         self._step: int | None = None
         self._watched = False  # whether the forward running now is watched (eager truth)
+        self._compiled_run = False  # whether it runs compiled (begin called by the op)
+        self._most = 0  # the most activations a compiled watched forward gave
         self._weights_step: int | None = None
         self._pending: list[Entry] = []  # this forward's weights (and eager activations)
         self._traced: list[tuple[str, str, tuple[Any, ...], tuple[torch.Tensor, ...]]] = []
@@ -99,10 +101,15 @@ class Watcher:
                 if m is not root
             ]
         self._grad_hooks: list[Any] = []  # installed for a watched backward only
+        # An instance attribute dynamo's graphs guard against (`forward` not in __dict__): a
+        # graph compiled for an unwatched module of the same class never serves this one (it
+        # does not guard on hooks). The same bound method: nothing else changes.
+        self._root = root
+        if "forward" not in root.__dict__:
+            root.forward = types.MethodType(type(root).forward, root)
         on_step_change(bus, self._predict)
         self._predict()
-        if root is not model or getattr(model, "_compiled_call_impl", None) is not None:
-            _forget_compiled(model, root)
+        _forget_compiled(model, root, "watch()")
 
     @property
     def current(self) -> int | None:
@@ -118,8 +125,13 @@ class Watcher:
 
     def remove(self) -> None:
         """Remove every hook this watcher installed (idempotent)."""
+        if self._handles:  # compiled code may hold the hooks, traced: dropped with them
+            _forget_compiled(self.model, _uncompiled(self.model), "watcher.remove()")
         _drop(self._handles)
         _drop(self._grad_hooks)
+        f = self._root.__dict__.get("forward")
+        if getattr(f, "__func__", None) is type(self._root).forward:
+            del self._root.forward
         self._pending.clear()
         self._traced.clear()
         self._grads.clear()
@@ -183,6 +195,7 @@ class Watcher:
         watched = self.enabled and step % self.every == 0
         if compiled and watched and not self.active and "activations" in self.what:
             self._missed(step)
+        self._compiled_run = compiled
         self._watched = watched
         if not compiled:
             self.active = watched
@@ -206,6 +219,10 @@ class Watcher:
 
     def end(self, items: list[tuple[str, str, tuple[Any, ...], tuple[torch.Tensor, ...]]]) -> None:
         """A forward ended: publish what it measured; decide whether the next one is watched."""
+        if self._watched and self._compiled_run and "activations" in self.what:
+            if len(items) < self._most:  # the graph that ran had fewer (or no) hooks
+                self._missed(self._step)
+            self._most = max(self._most, len(items))
         if self._watched and self.layout_only:
             layout, self._layout_buf = self._layout_buf, []
             self._publish_layout(layout + [(f"activations/{n}", d, s) for n, d, s, _ in items])
@@ -229,13 +246,15 @@ class Watcher:
             step = self._count + 1
         self.active = self.enabled and step % self.every == 0
 
-    def _missed(self, step: int) -> None:
+    def _missed(self, step: int | None) -> None:
         self.missed += 1
         if self.missed == 1:
             get_logger().warning(
-                "watch(): a compiled forward of a watched step ran without its activation "
-                "hooks (the step was decided after the call); number steps before the "
-                "forward with bus.step(n) or watcher.step(n)",
+                "watch(): a compiled forward of a watched step ran without (some of) its "
+                "activation hooks: the step was decided after the call (number steps before "
+                "the forward with bus.step(n) or watcher.step(n)), or dynamo ran a graph "
+                "compiled for an unwatched model of the same class (it does not guard on "
+                "hooks: watch that model too, or give the watched one a class of its own)",
                 step=step,
             )
 
@@ -276,13 +295,18 @@ def _layout(kind: str, named: Sequence[tuple[str, torch.Tensor]]) -> list[Any]:
     return [(f"{kind}/{n}", str(t.dtype), tuple(t.shape)) for n, t in named]
 
 
-def _forget_compiled(model: torch.nn.Module, root: torch.nn.Module) -> None:
-    """Drop compiled code traced before the hooks existed: dynamo does not guard on hooks.
+def _forget_compiled(model: torch.nn.Module, root: torch.nn.Module, why: str) -> None:
+    """Drop compiled code that may call hooks as they were when it was traced.
 
-    The code is shared by modules of the same class (and by every `torch.compile(module)`):
-    those recompile once on their next call. Logged, never silent.
+    dynamo does not guard on module hooks: code traced before `watch()` never calls its
+    hooks, and code traced before `remove()` keeps calling them. The code dropped is shared
+    by modules of the same class and by every `torch.compile(module)`: those recompile once
+    on their next call. Logged, never silent; nothing happens when nothing was compiled.
     """
-    codes = [type(root).forward.__code__]
+    from torch._dynamo import external_utils
+
+    inner = external_utils.wrap_inline(root)  # any wrapper: they share one code object
+    codes = {type(root).forward.__code__, getattr(inner, "__code__", None)}
     for f in (
         getattr(getattr(model, "forward", None), "__wrapped__", None),  # OptimizedModule's
         torch.nn.Module._wrapped_call_impl,
@@ -290,22 +314,23 @@ def _forget_compiled(model: torch.nn.Module, root: torch.nn.Module) -> None:
     ):
         fn = getattr(f, "__func__", f)  # a bound method: its function
         if isinstance(fn, types.FunctionType):
-            codes.append(fn.__code__)
+            codes.add(fn.__code__)
     try:
         from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list, reset_code
     except ImportError:  # another torch: say what to do instead
         get_logger().warning(
-            "watch(): cannot tell whether this compiled model already ran; if it did, its "
-            "compiled code skips the hooks: call watch() before the first call"
+            f"{why}: cannot tell whether compiled code of this model exists; if it does, "
+            "it calls the hooks as they were when traced: torch._dynamo.reset() drops it"
         )
         return
-    stale = [c for c in codes if _debug_get_cache_entry_list(c)]
+    stale = [c for c in codes if c is not None and _debug_get_cache_entry_list(c)]
     for code in stale:
         reset_code(code)
     if stale:
         get_logger().warning(
-            "watch(): the compiled model already ran without hooks; its compiled code was "
-            "dropped and recompiles once (call watch() before the first call to avoid it)",
+            f"{why}: compiled module code was dropped and recompiles once on its next call "
+            "(dynamo does not see hooks added or removed after it traced; watch() before the "
+            "first compiled call avoids it)",
             model=type(root).__qualname__,
         )
 

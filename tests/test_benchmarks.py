@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from benchmarks import __main__ as bench_main
-from benchmarks import overhead, stall, throughput, wakeups
+from benchmarks import overhead, real_loop, stall, throughput, wakeups
+from benchmarks._gpt import GPT
 from benchmarks._util import (
     blockwise_inflation,
     interleave_blocks,
@@ -195,3 +196,87 @@ def test_subscriber_costs_names_every_subscriber_of_b() -> None:
         "sleeper_50ms",
     }
     assert all(v >= 0 for v in out.values())
+
+
+def _real_loop_rows_are_sane(out: dict[str, Any], names: list[str]) -> None:
+    for v in names:
+        _positive_numbers(out, [f"real_loop.{v}_{k}" for k in ("mean_ms", "p50_ms", "p99_ms")])
+        assert out[f"real_loop.{v}_p50_ms"] <= out[f"real_loop.{v}_p99_ms"]
+        if v not in ("none", "compiled_none"):
+            assert math.isfinite(out[f"real_loop.{v}_overhead"]), v
+    for v in names:
+        if "eventbus" in v:
+            assert out[f"real_loop.{v}_published"] > 0, v
+            assert out[f"real_loop.{v}_jsonl_lost"] == 0, v
+            assert out[f"real_loop.{v}_failed"] == 0, v
+
+
+def test_real_loop_tiny_cpu_run_has_every_eager_variant() -> None:
+    out, per_block = real_loop.measure(device="cpu", compile=False, blocks=2, steps=3, warmup=1)
+    names = [v for v in real_loop.EAGER if v != "wandb" or real_loop.wandb_missing() is None]
+    assert out["real_loop.variants"] == names
+    assert list(per_block) == names
+    for v in names:
+        assert [len(b) for b in per_block[v]] == [3, 3], v
+    _real_loop_rows_are_sane(out, names)
+    assert out["real_loop.device"] == "cpu"
+    assert out["real_loop.torch"]
+    assert out["real_loop.torch_threads"] == 1
+    assert "compiled rows not run" in out["real_loop.note"]
+    if real_loop.wandb_missing() is not None:
+        assert "wandb" in out["real_loop.note"]
+    # Every watched step publishes TensorStats on top of the 4 events of a plain step.
+    assert out["real_loop.eventbus_watch1_published"] > out["real_loop.eventbus_published"]
+    params = len(list(GPT(real_loop.CPU_TINY).parameters()))
+    for v in ("eventbus_watch50", "eventbus_watch1"):
+        assert out[f"real_loop.{v}_tensorstats_weights_per_watched_step"] == params
+        assert out[f"real_loop.{v}_tensorstats_grads_per_watched_step"] == params
+        assert out[f"real_loop.{v}_tensorstats_activations_per_watched_step"] > 0
+    table = bench_main.table(out)
+    assert "**A real training loop**" in table
+    assert "| eventbus_watch1 |" in table
+
+
+def test_real_loop_main_prints_and_writes_json(
+    tmp_path: Path, monkeypatch: Any, capsys: Any
+) -> None:
+    tiny = real_loop.setup_for("cpu", quick=True)
+    monkeypatch.setattr(
+        real_loop,
+        "setup_for",
+        lambda device, quick: real_loop.Setup(
+            device="cpu",
+            cfg=tiny.cfg,
+            batch=tiny.batch,
+            bf16=False,
+            fused_adamw=False,
+            blocks=1,
+            steps=2,
+            warmup=0,
+        ),
+    )
+    path = tmp_path / "r.json"
+    argv = ["--device", "cpu", "--variants", "eventbus", "--json", str(path)]
+    assert real_loop.main(argv) == 0
+    r = json.loads(path.read_text())
+    assert r == json.loads(capsys.readouterr().out)
+    assert r["real_loop.variants"] == ["none", "eventbus"]
+    assert r["real_loop.command"] == "python -m benchmarks.real_loop " + " ".join(argv)
+    assert r["machine"]["cpus"] >= 1
+    assert r["versions"]["torch"]
+
+
+@pytest.mark.slow
+def test_real_loop_compiled_rows_run_on_cpu() -> None:
+    # One compiled model (shared by both rows): ~15 s with inductor's cache warm, ~30 s cold.
+    out, _ = real_loop.measure(
+        device="cpu",
+        variants=("compiled_none", "compiled_eventbus"),
+        blocks=1,
+        steps=2,
+        warmup=0,
+    )
+    assert out["real_loop.variants"] == ["compiled_none", "compiled_eventbus"]
+    _real_loop_rows_are_sane(out, ["compiled_none", "compiled_eventbus"])
+    assert out["real_loop.compiled_none_warmup_dynamo_unique_graphs"] >= 1
+    assert out["real_loop.compiled_none_first_step_s"] > 0
