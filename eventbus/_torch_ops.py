@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import types
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -25,8 +26,16 @@ import torch
 from eventbus import _compiling
 from eventbus._compiling import compiling
 from eventbus.events import Event, event_fields
+from eventbus.log import get_logger
 
-__all__ = ["ordered", "register_watcher", "traced_publish", "watch_site"]
+__all__ = [
+    "forget_compiled",
+    "guard_twins",
+    "ordered",
+    "register_watcher",
+    "traced_publish",
+    "watch_site",
+]
 
 _TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
 _T, _I, _F, _C = 0, 1, 2, 3  # a leaf is a tensor, an int, a float (as a tensor), a constant
@@ -96,6 +105,7 @@ def traced_publish(bus: Any, ev: Event) -> None:
         raise ValueError(
             f"this {type(ev).__name__} object was already published; publish a new event object"
         )
+    ev.seq = -1  # published, as eagerly: publishing this object again is refused
     leaves = _Leaves()
     layout = tuple((n, leaves.split(getattr(ev, n))) for n in _names(type(ev)) if n != "seq")
     site = _site(bus, type(ev), layout)
@@ -149,6 +159,66 @@ def ordered(op: Any) -> None:
 @torch.compiler.substitute_in_graph(compiling)
 def _compiling_traced() -> bool:
     return True  # what dynamo sees when it traces compiling()
+
+
+# -- watch(): compiled code and module hooks (dynamo does not guard on hooks) ------------------
+
+_TWIN_GUARDS: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+
+
+def guard_twins(root: torch.nn.Module, by: int) -> None:
+    """Give `root` (while a watcher holds it) an instance attribute that dynamo's graphs
+    of an unwatched module of the same class are guarded against (`forward` not in its
+    __dict__), so they never serve it: dynamo does not guard on hooks. The same bound method:
+    nothing else changes."""
+    n = _TWIN_GUARDS.get(root, 0) + by
+    _TWIN_GUARDS[root] = n
+    own = root.__dict__.get("forward")
+    ours = getattr(own, "__func__", None) is type(root).forward
+    if n > 0 and own is None:
+        root.forward = types.MethodType(type(root).forward, root)
+    elif n <= 0 and ours:
+        del root.forward
+
+
+def forget_compiled(model: torch.nn.Module, root: torch.nn.Module, why: str) -> None:
+    """Drop compiled code that may call hooks as they were when it was traced.
+
+    dynamo does not guard on module hooks: code traced before `watch()` never calls its
+    hooks, and code traced before `remove()` keeps calling them. The code dropped is shared
+    by modules of the same class and by every `torch.compile(module)`: those recompile once
+    on their next call. Logged, never silent; nothing happens when nothing was compiled.
+    """
+    from torch._dynamo import external_utils
+
+    inner = external_utils.wrap_inline(root)  # any wrapper: they share one code object
+    codes = {type(root).forward.__code__, getattr(inner, "__code__", None)}
+    for f in (
+        getattr(getattr(model, "forward", None), "__wrapped__", None),  # OptimizedModule's
+        torch.nn.Module._wrapped_call_impl,
+        torch.nn.Module._call_impl,
+    ):
+        fn = getattr(f, "__func__", f)  # a bound method: its function
+        if isinstance(fn, types.FunctionType):
+            codes.add(fn.__code__)
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list, reset_code
+    except ImportError:  # another torch: say what to do instead
+        get_logger().warning(
+            f"{why}: cannot tell whether compiled code of this model exists; if it does, "
+            "it calls the hooks as they were when traced: torch._dynamo.reset() drops it"
+        )
+        return
+    stale = [c for c in codes if c is not None and _debug_get_cache_entry_list(c)]
+    for code in stale:
+        reset_code(code)
+    if stale:
+        get_logger().warning(
+            f"{why}: compiled module code was dropped and recompiles once on its next call "
+            "(dynamo does not see hooks added or removed after it traced; watch() before the "
+            "first compiled call avoids it)",
+            model=type(root).__qualname__,
+        )
 
 
 # -- watch(): a watched forward's begin and end, when the compiled graph runs ----------------

@@ -16,7 +16,6 @@ value; `what="dtype"` reads host metadata only (`TensorLayout` events).
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any
@@ -65,7 +64,7 @@ class Watcher:
         self.layout_only = "dtype" in kinds
         self.what = (kinds - {"dtype"}) or frozenset(KINDS)
         self.bins = bins if histogram else 0
-        self.enabled = True
+        self._enabled = True
         self.missed = 0
         self.active = False  # read by the hooks; under compile, a guard of the graph
         self._id = ops.register_watcher(self)
@@ -101,15 +100,21 @@ class Watcher:
                 if m is not root
             ]
         self._grad_hooks: list[Any] = []  # installed for a watched backward only
-        # An instance attribute dynamo's graphs guard against (`forward` not in __dict__): a
-        # graph compiled for an unwatched module of the same class never serves this one (it
-        # does not guard on hooks). The same bound method: nothing else changes.
         self._root = root
-        if "forward" not in root.__dict__:
-            root.forward = types.MethodType(type(root).forward, root)
+        ops.guard_twins(root, +1)
         on_step_change(bus, self._predict)
         self._predict()
-        _forget_compiled(model, root, "watch()")
+        ops.forget_compiled(model, root, "watch()")
+
+    @property
+    def enabled(self) -> bool:
+        """False pauses watching (e.g. around evaluation); takes effect at the next forward."""
+        return self._enabled
+
+    @enabled.setter
+    def enabled(self, on: bool) -> None:
+        self._enabled = bool(on)
+        self._predict()  # a compiled model's next graph is chosen by it
 
     @property
     def current(self) -> int | None:
@@ -125,18 +130,16 @@ class Watcher:
 
     def remove(self) -> None:
         """Remove every hook this watcher installed (idempotent)."""
-        if self._handles:  # compiled code may hold the hooks, traced: dropped with them
-            _forget_compiled(self.model, _uncompiled(self.model), "watcher.remove()")
+        if self._handles:  # the first remove(): compiled code may hold the hooks, traced
+            ops.forget_compiled(self.model, self._root, "watcher.remove()")
+            ops.guard_twins(self._root, -1)
         _drop(self._handles)
         _drop(self._grad_hooks)
-        f = self._root.__dict__.get("forward")
-        if getattr(f, "__func__", None) is type(self._root).forward:
-            del self._root.forward
         self._pending.clear()
         self._traced.clear()
         self._grads.clear()
         self.active = False
-        self.enabled = False
+        self._enabled = False
 
     def __enter__(self) -> Watcher:
         return self
@@ -192,7 +195,7 @@ class Watcher:
             self._count += 1
             step = self._count
         self._step = step
-        watched = self.enabled and step % self.every == 0
+        watched = self._enabled and step % self.every == 0
         if compiled and watched and not self.active and "activations" in self.what:
             self._missed(step)
         self._compiled_run = compiled
@@ -244,7 +247,7 @@ class Watcher:
             step = current_step(self.bus)
         if step is None:
             step = self._count + 1
-        self.active = self.enabled and step % self.every == 0
+        self.active = self._enabled and step % self.every == 0
 
     def _missed(self, step: int | None) -> None:
         self.missed += 1
@@ -293,46 +296,6 @@ class Watcher:
 def _layout(kind: str, named: Sequence[tuple[str, torch.Tensor]]) -> list[Any]:
     """("kind/name", dtype, shape) of each tensor: metadata, never a device read."""
     return [(f"{kind}/{n}", str(t.dtype), tuple(t.shape)) for n, t in named]
-
-
-def _forget_compiled(model: torch.nn.Module, root: torch.nn.Module, why: str) -> None:
-    """Drop compiled code that may call hooks as they were when it was traced.
-
-    dynamo does not guard on module hooks: code traced before `watch()` never calls its
-    hooks, and code traced before `remove()` keeps calling them. The code dropped is shared
-    by modules of the same class and by every `torch.compile(module)`: those recompile once
-    on their next call. Logged, never silent; nothing happens when nothing was compiled.
-    """
-    from torch._dynamo import external_utils
-
-    inner = external_utils.wrap_inline(root)  # any wrapper: they share one code object
-    codes = {type(root).forward.__code__, getattr(inner, "__code__", None)}
-    for f in (
-        getattr(getattr(model, "forward", None), "__wrapped__", None),  # OptimizedModule's
-        torch.nn.Module._wrapped_call_impl,
-        torch.nn.Module._call_impl,
-    ):
-        fn = getattr(f, "__func__", f)  # a bound method: its function
-        if isinstance(fn, types.FunctionType):
-            codes.add(fn.__code__)
-    try:
-        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list, reset_code
-    except ImportError:  # another torch: say what to do instead
-        get_logger().warning(
-            f"{why}: cannot tell whether compiled code of this model exists; if it does, "
-            "it calls the hooks as they were when traced: torch._dynamo.reset() drops it"
-        )
-        return
-    stale = [c for c in codes if c is not None and _debug_get_cache_entry_list(c)]
-    for code in stale:
-        reset_code(code)
-    if stale:
-        get_logger().warning(
-            f"{why}: compiled module code was dropped and recompiles once on its next call "
-            "(dynamo does not see hooks added or removed after it traced; watch() before the "
-            "first compiled call avoids it)",
-            model=type(root).__qualname__,
-        )
 
 
 def _uncompiled(model: torch.nn.Module) -> torch.nn.Module:

@@ -12,16 +12,14 @@ lossless (`block`) subscriber is attached: backpressure, by choice.
 from __future__ import annotations
 
 import atexit
-import importlib
 import itertools
-import sys
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable
 from types import TracebackType
 from typing import Any, TypeVar
 
-from eventbus._compiling import compiling, traced_publish
+from eventbus._compiling import compiling, teach_torch, traced_publish
 from eventbus.agreement import StopAgreement
 from eventbus.capture import capture_event
 from eventbus.control import Control
@@ -112,8 +110,7 @@ class EventBus:
         self._signals = SignalDrain(self.close, lambda: self.close_timeout)
         self._exit_hook = False
         call_after_fork(self._forked)
-        if "torch" in sys.modules:  # teach torch.compile to trace publish (no graph break)
-            importlib.import_module("eventbus._torch_ops")
+        teach_torch()  # torch imported: torch.compile traces publish without a graph break
 
     # -- publishing ------------------------------------------------------------------
 
@@ -264,6 +261,7 @@ class EventBus:
                 return self
             if self._state == _CLOSED:
                 raise RuntimeError("this bus was closed; create a new EventBus to start again")
+            teach_torch()  # torch imported since __init__: the same
             self._loop.start()
             self._inbox.mode = InboxMode.LIVE
             self._state = _RUNNING

@@ -6,6 +6,8 @@ Compiled models are tiny so the suite stays fast; most cases use the "aot_eager"
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -312,3 +314,68 @@ def test_a_hookless_twin_graph_that_serves_the_watched_model_is_counted() -> Non
     assert second == first or w.missed == 1, (first, second, w.missed)
     if second < first:
         assert any("of the same class" in e["event"] for e in logs), logs
+
+
+def test_an_event_made_outside_and_published_inside_is_refused_the_second_time() -> None:
+    rec = Recorder(events=[Loss])
+    with EventBus(drain_interval=0.002, handle_signals=False) as bus:
+        bus.subscribe(rec)
+
+        def step(ev: Loss, x: torch.Tensor) -> torch.Tensor:
+            bus.publish(ev)
+            return x + 1
+
+        run = torch.compile(step, backend="aot_eager")
+        ev = Loss(step=1, value=2.0)
+        run(ev, torch.ones(2))
+        with pytest.raises(ValueError, match="already published"):
+            bus.publish(ev)  # eagerly: refused, as after an eager publish
+        with pytest.raises(Exception, match="already published"):
+            run(ev, torch.ones(2))
+    assert [(e.step, e.value) for e in rec.got] == [(1, 2.0)]
+
+
+def test_re_enabling_a_watcher_loses_no_compiled_activation() -> None:
+    model = _mlp()
+    run = torch.compile(model, backend="aot_eager")
+    rec = Recorder(events=[TensorStats])
+    with EventBus(drain_interval=0.002, handle_signals=False) as bus:
+        bus.subscribe(rec)
+        w = et.watch(run, bus, every=1, what="activations")
+        for i in range(4):
+            w.enabled = i % 2 == 0  # watched, paused, watched, paused
+            run(_input(model))
+    modules = sum(1 for _ in model.modules())
+    assert Counter(e.step for e in rec.got) == {1: modules, 3: modules}
+    assert w.missed == 0
+
+
+def test_two_watchers_keep_the_twin_guard_until_the_last_is_removed() -> None:
+    model = _mlp()
+    w1 = et.watch(model, EventBus(handle_signals=False), every=1)
+    w2 = et.watch(model, EventBus(handle_signals=False), every=1)
+    w1.remove()
+    assert "forward" in model.__dict__
+    w2.remove()
+    assert "forward" not in model.__dict__
+
+
+def test_a_bus_made_before_torch_was_imported_still_traces_publish() -> None:
+    code = (
+        "import eventbus, sys\n"
+        "bus = eventbus.EventBus(handle_signals=False)\n"
+        "assert 'torch' not in sys.modules\n"
+        "import torch\n"
+        "from eventbus.events import Loss\n"
+        "got = []\n"
+        "bus.subscribe(lambda ev: got.append(ev.value), events=[Loss])\n"
+        "with bus:\n"
+        "    f = torch.compile(lambda x: bus.publish(Loss(step=1, value=x.sum())) or x,\n"
+        "                      fullgraph=True, backend='eager')\n"
+        "    f(torch.ones(3))\n"
+        "assert got == [3.0], got\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
