@@ -41,8 +41,8 @@ class Watcher:
 
     Step numbers, in order of precedence: the last `watcher.step(n)`; else the innermost open
     `bus.step(n)` scope; else a count of the model's forward calls (1, 2, ...). Statistics are
-    published at steps where `step % every == 0`. `missed` counts compiled forwards whose
-    activations were lost because the step changed after the forward was called.
+    published at steps where `step % every == 0`. `missed` counts compiled watched forwards
+    that ran without (some of) their activation hooks: logged, never silent.
     """
 
     def __init__(
@@ -177,9 +177,8 @@ class Watcher:
             meta = tuple((label, dt, len(shape), len(parts)) for label, dt, shape, parts in items)
             flat = [p for *_, parts in items for p in parts]
             sizes = [d for _, _, shape, _ in items for d in shape]  # ints, or symbolic sizes
-            torch.ops.eventbus.watch_end(
-                flat, sizes, ops.watch_site(self._id, meta)
-            )  # publishes when run
+            site = ops.watch_site(self._id, meta)
+            torch.ops.eventbus.watch_end(flat, sizes, site)  # publishes when the graph runs
         else:
             self.end(items)
 
@@ -188,14 +187,11 @@ class Watcher:
     def begin(self, *, compiled: bool) -> None:
         """A forward starts: number it, decide whether it is watched, measure the weights."""
         self._pending.clear()  # what a forward that raised left behind
-        step = self._manual
-        if step is None:
-            step = current_step(self.bus)
-        if step is None:
-            self._count += 1
-            step = self._count
+        step, counted = self._next_step()
+        if counted:
+            self._count = step
         self._step = step
-        watched = self._enabled and step % self.every == 0
+        watched = self._watches(step)
         if compiled and watched and not self.active and "activations" in self.what:
             self._missed(step)
         self._compiled_run = compiled
@@ -240,14 +236,17 @@ class Watcher:
                 self.bus.publish(ev)
         self._predict()
 
+    def _next_step(self) -> tuple[int, bool]:
+        """The next forward's step: `watcher.step`, else `bus.step`, else the count (True)."""
+        step = self._manual if self._manual is not None else current_step(self.bus)
+        return (self._count + 1, True) if step is None else (step, False)
+
+    def _watches(self, step: int) -> bool:
+        return self._enabled and step % self.every == 0
+
     def _predict(self) -> None:
         """Set `active` for the next forward (compiled graphs are chosen by it at the call)."""
-        step = self._manual
-        if step is None:
-            step = current_step(self.bus)
-        if step is None:
-            step = self._count + 1
-        self.active = self._enabled and step % self.every == 0
+        self.active = self._watches(self._next_step()[0])
 
     def _missed(self, step: int | None) -> None:
         self.missed += 1
