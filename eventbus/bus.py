@@ -17,19 +17,18 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Iterable
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from eventbus._compiling import compiling, teach_torch, traced_publish
 from eventbus.agreement import StopAgreement
-from eventbus.capture import capture_event
 from eventbus.control import Control
 from eventbus.core.checkpoint import load_states, states
 from eventbus.core.delivery import Delivery
 from eventbus.core.fork import call_after_fork
-from eventbus.core.inbox import BIG, Attach, Boxed, Detach, Flush, Inbox, InboxMode
+from eventbus.core.inbox import BIG, Attach, Detach, Flush, Inbox, InboxMode
 from eventbus.core.loop import BusLoop
 from eventbus.core.signals import SignalDrain
-from eventbus.core.sizing import checked_fields, quick_check, sizeof_event
+from eventbus.core.sizing import QUICK, not_an_event, published_twice, quick_check
 from eventbus.core.subscriber import State, describe, positive, subscribe_options, unique_name
 from eventbus.core.subscription import Subscription
 from eventbus.dist import rank_info
@@ -37,13 +36,15 @@ from eventbus.events import Event
 from eventbus.stats import BusStats, log_close
 from eventbus.steps import PhaseScope, StepScope
 
+if TYPE_CHECKING:
+    from eventbus.process.sidecar import Sidecar
+
 __all__ = ["EventBus", "Subscription"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 _NEW, _RUNNING, _CLOSED, _FORKED = "new", "running", "closed", "forked"
 _time_ns = time.time_ns  # a module global: one lookup less on the hot path
-_CHECKS: dict[type, Callable[[Event], int]] = {}
 
 
 class EventBus:
@@ -106,6 +107,7 @@ class EventBus:
         self._state = _NEW
         self._lifecycle = threading.RLock()
         self._deliveries: list[Delivery] = []  # every subscription made, for stats and names
+        self._sidecar: Sidecar | None = None  # the child process of placement="process"
         self._names: set[str] = set()
         self._signals = SignalDrain(self.close, lambda: self.close_timeout)
         self._exit_hook = False
@@ -121,28 +123,19 @@ class EventBus:
         lossless subscriber is attached (backpressure). Raises `TypeError` for non-events.
         """
         if not isinstance(ev, Event):
-            raise TypeError(
-                f"publish() takes an eventbus Event (a dataclass subclassing eventbus.Event), "
-                f"got {type(ev).__module__}.{type(ev).__qualname__}: {ev!r:.80}"
-            )
+            raise not_an_event(ev)
         if compiling():  # True only while torch.compile traces this call; eagerly ~25 ns
             return traced_publish(self, ev)  # one ordered op in the graph: it publishes
         if ev.seq is not None:
-            raise ValueError(
-                f"this {type(ev).__name__} object was already published (seq={ev.seq}); the bus "
-                "holds it until subscribers have it, so publish a new event object each time "
-                "(dataclasses.replace(ev) makes a copy)"
-            )
+            raise published_twice(ev)
         if ev.ts is None:
             ev.ts = _time_ns()
         ev.seq = next(self._seq)  # itertools.count: atomic under the GIL
         ev.rank = self.rank
-        check = _CHECKS.get(type(ev))
-        if check is None:
-            check = _CHECKS[type(ev)] = quick_check(type(ev))
+        check = QUICK.get(type(ev)) or quick_check(type(ev))
         text = check(ev)  # -1: a tensor or a container; else the length of its texts
         if text < 0 or text >= BIG:  # capture, and count it against the byte bound
-            self._publish_slow(ev, checked_fields(type(ev)))
+            self._inbox.put_sized(ev)
             return
         inbox = self._inbox
         items = inbox.items
@@ -150,16 +143,6 @@ class EventBus:
             items.append(ev)
         else:
             inbox.put(ev)
-
-    def _publish_slow(self, ev: Event, names: tuple[str, ...]) -> None:
-        nbytes = sizeof_event(ev, names)  # sizes are host metadata: no device sync
-        # Tensors: detach + async copy into pinned memory (CUDA) or a clone (CPU).
-        # Never .item(): no device synchronisation.
-        captured = capture_event(ev)
-        if nbytes >= BIG:
-            self._inbox.put_boxed(Boxed(ev, nbytes, captured))
-        else:  # small: counted by number only
-            self._inbox.put(Boxed(ev, 0, True) if captured else ev)
 
     async def apublish(self, ev: Event) -> None:
         """`publish` for async code: waits without blocking the caller's event loop."""
@@ -206,14 +189,15 @@ class EventBus:
         )
         if (o.ranks is not None and self.rank not in o.ranks) or self._state == _FORKED:
             return Subscription(None, self._detach)
-        if o.placement == "process":
-            from eventbus.process import ProcessSubscriber  # the sidecar: loaded when asked
-
-            if not isinstance(sub, ProcessSubscriber):
-                sub = ProcessSubscriber(sub, events=o.events)
         with self._lifecycle:
             if self._state == _CLOSED:
                 raise RuntimeError("subscribe() on a closed bus: create a new EventBus")
+            if o.placement == "process":  # the sidecar starts now: overlaps the user's set-up
+                if self._sidecar is None:
+                    from eventbus.process.sidecar import Sidecar  # loaded when asked
+
+                    self._sidecar = Sidecar(self)  # it attaches itself
+                return self._sidecar.subscribe(sub, o, name)
             d = Delivery(
                 sub,
                 name=unique_name(name or describe(sub), self._names),
@@ -226,11 +210,14 @@ class EventBus:
                 max_consecutive_failures=self.max_consecutive_failures,
             )
             self._deliveries.append(d)
-            if d.lossless:
-                self._loop.router.pending_lossless.add(d)
-            self._inbox.put_control(Attach(d))
-            self._close_at_exit()  # events for it must not vanish, even unstarted
+            self._attach(d)
         return Subscription(d, self._detach)
+
+    def _attach(self, d: Delivery) -> None:
+        if d.lossless:
+            self._loop.router.pending_lossless.add(d)
+        self._inbox.put_control(Attach(d))
+        self._close_at_exit()  # events for it must not vanish, even unstarted
 
     def on(self, *events: type[Event], **options: Any) -> Callable[[F], F]:
         """Decorator form: `@bus.on(Loss)` subscribes a sync or async function of one event."""
@@ -279,9 +266,8 @@ class EventBus:
         self.close()
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every subscriber handled what was published before, then ran its
-        `on_flush` (a file sink's lines are then on disk); False after `timeout` (default
-        `close_timeout`: a hung subscriber cannot hold the caller forever)."""
+        """Wait until every subscriber handled what was published before and ran `on_flush`
+        (files are then on disk); False after `timeout` (default `close_timeout`)."""
         with self._lifecycle:
             if self._state != _RUNNING or not self._loop.alive:
                 return self._state == _CLOSED
@@ -333,6 +319,8 @@ class EventBus:
         self._signals.restore()
         for d in self._deliveries:
             d.worker.stop()
+        if self._sidecar is not None:
+            self._sidecar.release()  # it drains what it received and exits by itself
         log_close(self.stats())
 
     def _close_at_exit(self) -> None:
@@ -366,7 +354,8 @@ class EventBus:
 
     def stats(self) -> BusStats:
         """A snapshot of every counter: bus-wide and per subscriber."""
-        return self._loop.stats(self._deliveries)
+        st = self._loop.stats(self._deliveries)
+        return st if self._sidecar is None else self._sidecar.merged(st)
 
     def state_dict(self) -> dict[str, Any]:
         """Each subscriber's `state_dict()`, by name, after a flush (for checkpoints)."""
@@ -376,7 +365,7 @@ class EventBus:
                 "subscribers live in the parent process; call it there"
             )
         self.flush()
-        return states(self._deliveries)
+        return states(self._deliveries, self._sidecar)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Hand each subscriber its part of a `state_dict()` (by name)."""
@@ -384,7 +373,7 @@ class EventBus:
             raise RuntimeError("load_state_dict() in a forked child: call it in the parent")
         if self._state == _RUNNING:
             self.flush()
-        load_states(self._deliveries, state)
+        load_states(self._deliveries, state, self._sidecar)
 
     def _forked(self) -> None:
         """In a forked child (DataLoader worker): no thread, no sinks; every call returns."""

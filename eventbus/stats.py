@@ -8,7 +8,7 @@ from typing import Any
 
 from eventbus.log import get_logger
 
-__all__ = ["BusStats", "SubscriberStats", "log_close"]
+__all__ = ["BusStats", "SidecarStats", "SubscriberStats", "log_close"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +35,21 @@ class SubscriberStats:
 
 
 @dataclass(frozen=True, slots=True)
+class SidecarStats:
+    """The sidecar process that hosts `placement="process"` subscribers (one per bus)."""
+
+    pid: int | None  # the live sidecar's process id
+    alive: bool
+    restarts: int  # times it died and was started again
+    spawn_s: float | None  # from launch to ready (overlapped with the user's set-up)
+    sent_events: int  # events sent to it (each once, whatever number of subscribers want it)
+    sent_bytes: int
+    in_flight_bytes: int  # sent and not yet taken in by it (bounded: backpressure beyond)
+    lost: int  # events sidecar subscribers never handled because a sidecar died (summed)
+    error: str | None = None  # why it is gone for good, if it is
+
+
+@dataclass(frozen=True, slots=True)
 class BusStats:
     """Bus-wide counters plus one `SubscriberStats` per subscriber, by name."""
 
@@ -50,6 +65,7 @@ class BusStats:
     feedback_dropped: int = 0  # events subscribers published into a half-full inbox (a storm)
     inbox_bytes: int = 0  # bytes of the big events (1 KiB or more) waiting in the inbox
     error: str | None = None  # what killed the bus thread, if it died
+    sidecar: SidecarStats | None = None  # the child process of placement="process", if any
 
     def __getitem__(self, name: str) -> SubscriberStats:
         return self.subscribers[name]
@@ -79,6 +95,7 @@ def log_close(st: BusStats) -> None:
     }
     alarming = (
         st.hung
+        or (st.sidecar is not None and (st.sidecar.lost or st.sidecar.error))
         or st.rejected
         or st.feedback_dropped
         or st.error
@@ -97,5 +114,6 @@ def log_close(st: BusStats) -> None:
             feedback_dropped=st.feedback_dropped,
             hung=list(st.hung),
             error=st.error,
+            sidecar_lost=st.sidecar.lost if st.sidecar is not None else 0,
             subscribers=counts,
         )

@@ -82,9 +82,12 @@ LAYERS: dict[str, str] = {
     "eventbus.stats": CORE,
     "eventbus.steps": CORE,
     "eventbus.process": CORE,
-    "eventbus.process.child": CORE,
+    "eventbus.process.channel": CORE,
+    "eventbus.process.child": FACADE,  # the sidecar's own bus
     "eventbus.process.errors": CORE,
     "eventbus.process.proxy": CORE,
+    "eventbus.process.remote": CORE,
+    "eventbus.process.sidecar": FACADE,  # the bus's process: it drives the bus's parts
     "eventbus.process.spawn": CORE,
     "eventbus.process.wire": CORE,
     # the concrete subscribers: use the core's public API, never the bus

@@ -3,27 +3,48 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 from eventbus.core.delivery import Delivery
 
-__all__ = ["load_states", "states"]
+__all__ = ["Remotes", "load_states", "states"]
 
 
-def states(deliveries: Iterable[Delivery]) -> dict[str, Any]:
+class Remotes(Protocol):
+    """Subscribers held elsewhere (the sidecar process), by name."""
+
+    def names(self) -> set[str]: ...
+
+    def state_dicts(self) -> dict[str, Any]: ...
+
+    def load_state_dicts(self, states: dict[str, Any]) -> None: ...
+
+
+def states(deliveries: Iterable[Delivery], remotes: Remotes | None = None) -> dict[str, Any]:
     """Every subscriber's `state_dict()` that has one, by name."""
-    return {
+    out = {
         d.name: d.sub.state_dict()
         for d in deliveries
         if callable(getattr(d.sub, "state_dict", None))
     }
+    if remotes is not None:
+        out.update(remotes.state_dicts())
+    return out
 
 
-def load_states(deliveries: Iterable[Delivery], state: dict[str, Any]) -> None:
+def load_states(
+    deliveries: Iterable[Delivery], state: dict[str, Any], remotes: Remotes | None = None
+) -> None:
     """Hand each subscriber its part; a name this bus does not have is a clear KeyError."""
     known = {d.name: d for d in deliveries if d.sub is not None}  # removed ones: no state
+    elsewhere = remotes.names() if remotes is not None else set()
+    for name in state:
+        if name not in known and name not in elsewhere:
+            raise KeyError(
+                f"no subscriber named {name!r} on this bus; have {sorted(known.keys() | elsewhere)}"
+            )
     for name, part in state.items():
-        d = known.get(name)
-        if d is None:
-            raise KeyError(f"no subscriber named {name!r} on this bus; have {sorted(known)}")
-        d.sub.load_state_dict(part)
+        if name in known:
+            known[name].sub.load_state_dict(part)
+    if remotes is not None:
+        remotes.load_state_dicts({k: v for k, v in state.items() if k in elsewhere})

@@ -55,6 +55,7 @@ class Delivery:
     ) -> None:
         self.sub = sub
         self.report = report  # log failures (a process child leaves that to its parent)
+        self.last = False  # closed after the others (the sidecar: it gets what they publish)
         self.name = name
         self.events = events
         self.policy = policy

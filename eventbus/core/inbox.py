@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from eventbus.capture import capture_event
+from eventbus.core.sizing import checked_fields, sizeof_event
 from eventbus.core.worker import thread_state, worker_name
 from eventbus.events import Event
 from eventbus.log import RateLimiter, get_logger
@@ -177,6 +179,18 @@ class Inbox:
         if self.put(box) and n:
             with self._lock:
                 self._added_bytes += n
+
+    def put_sized(self, ev: Event) -> None:
+        """An event holding tensors, containers or long texts: sized (host metadata only),
+        its tensors captured, and counted against `max_bytes` when big."""
+        nbytes = sizeof_event(ev, checked_fields(type(ev)))  # no device sync
+        # Tensors: detach + async copy into pinned memory (CUDA) or a clone (CPU).
+        # Never .item(): no device synchronisation.
+        captured = capture_event(ev)
+        if nbytes >= BIG:
+            self.put_boxed(Boxed(ev, nbytes, captured))
+        else:  # small: counted by number only
+            self.put(Boxed(ev, 0, True) if captured else ev)
 
     def connect(
         self,

@@ -70,7 +70,7 @@ class BusLoop:
         self.hung: tuple[str, ...] = ()
         self._ready = threading.Event()
         self._done = threading.Event()
-        self._deadline = math.inf
+        self.deadline = math.inf
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tg: TaskGroup | None = None
         self._wake_evt: anyio.Event | None = None
@@ -95,14 +95,14 @@ class BusLoop:
 
     def close(self, deadline: float) -> None:
         """Begin the shutdown; everything must be done by `deadline` (time.monotonic)."""
-        self._deadline = deadline
+        self.deadline = deadline
         self.router.closing = True
         self.inbox.begin_close()
         self.inbox.wake()
 
     def give_up(self) -> None:
         """Stop waiting for anyone now: count what is left as lost (a second Ctrl-C)."""
-        self._deadline = time.monotonic()
+        self.deadline = time.monotonic()
         self.router.closing = True
         loop, scope = self._loop, self._shutdown_scope
         if loop is not None and scope is not None:  # else the shutdown has not begun
@@ -259,7 +259,7 @@ class BusLoop:
         async def retire() -> None:
             publisher.set(d.name)
             try:
-                await self._close_one(d, self._deadline if self.router.closing else math.inf)
+                await self._close_one(d, self.deadline if self.router.closing else math.inf)
                 if d.state is State.CLOSED:
                     d.release()  # a subscribe/remove per evaluation must not pile up objects
             finally:
@@ -282,12 +282,12 @@ class BusLoop:
                 todo = [d for d in self.router.deliveries if d not in closed]
                 if not todo:
                     break
-                d = todo[-1]
+                d = ([x for x in todo if not x.last] or todo)[-1]
                 closed.add(d)
-                share = (self._deadline - time.monotonic()) / (len(todo) + len(self._retiring))
+                share = (self.deadline - time.monotonic()) / (len(todo) + len(self._retiring))
                 publisher.set(d.name)
                 await self._close_one(d, time.monotonic() + max(0.0, share))
-            while self._retiring and time.monotonic() < self._deadline:
+            while self._retiring and time.monotonic() < self.deadline:
                 await anyio.sleep(_TICK)
         for d in tuple(self._retiring):
             self._hang(d)
@@ -301,8 +301,8 @@ class BusLoop:
         slow): they still get their share below, and the others are not held up by them.
         """
         start = time.monotonic()
-        stop = start + (self._deadline - start) / 2
-        stuck_after = min(1.0, (self._deadline - start) / 10)
+        stop = start + (self.deadline - start) / 2
+        stuck_after = min(1.0, (self.deadline - start) / 10)
         while time.monotonic() < stop:
             await self.router.drain(force=True)
             now = time.monotonic()

@@ -13,7 +13,15 @@ from typing import Any
 from eventbus.capture import capturable_fields
 from eventbus.events import Event
 
-__all__ = ["NUMBERS", "checked_fields", "quick_check", "sizeof_event"]
+__all__ = [
+    "NUMBERS",
+    "QUICK",
+    "checked_fields",
+    "not_an_event",
+    "published_twice",
+    "quick_check",
+    "sizeof_event",
+]
 
 NUMBERS: frozenset[type] = frozenset((int, float, bool, type(None)))
 _BASE = 64  # an event object's own bytes, roughly
@@ -92,13 +100,13 @@ def _sizeof(v: Any, depth: int) -> int:  # noqa: PLR0911 - one return per kind o
     return 56 + (total * n // len(items) if items else 0)
 
 
-_QUICK: dict[type, Callable[[Event], int]] = {}
+QUICK: dict[type, Callable[[Event], int]] = {}  # quick_check's, by class (the hot path reads it)
 
 
 def quick_check(cls: type[Event]) -> Callable[[Event], int]:
     """A function generated for `cls` (as the codec does: direct attribute reads, no loop):
     -1 if an event holds a tensor or a container (the slow path), else its text length."""
-    fn = _QUICK.get(cls)
+    fn = QUICK.get(cls)
     if fn is None:
         names = checked_fields(cls)
         lines = ["def check(ev):", "    n = 0"]
@@ -114,5 +122,22 @@ def quick_check(cls: type[Event]) -> Callable[[Event], int]:
         lines.append("    return n")
         scope: dict[str, Any] = {"NUMBERS": NUMBERS}
         exec(compile("\n".join(lines), f"<eventbus.sizing {cls.__qualname__}>", "exec"), scope)
-        fn = _QUICK[cls] = scope["check"]
+        fn = QUICK[cls] = scope["check"]
     return fn
+
+
+def not_an_event(ev: object) -> TypeError:
+    """What `publish` raises for something that is not an event."""
+    return TypeError(
+        f"publish() takes an eventbus Event (a dataclass subclassing eventbus.Event), "
+        f"got {type(ev).__module__}.{type(ev).__qualname__}: {ev!r:.80}"
+    )
+
+
+def published_twice(ev: Event) -> ValueError:
+    """What `publish` raises for an event object published before."""
+    return ValueError(
+        f"this {type(ev).__name__} object was already published (seq={ev.seq}); the bus "
+        "holds it until subscribers have it, so publish a new event object each time "
+        "(dataclasses.replace(ev) makes a copy)"
+    )

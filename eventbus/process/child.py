@@ -1,225 +1,343 @@
-"""The child's side: build the subscriber, then answer the parent's messages one at a time.
+"""The sidecar's side: a bus of its own, fed from the parent's channel instead of `publish`.
 
-    parent --start, then S/B/C/D/L--> serve() --> SubscriberCalls (the only caller of user code)
-           <--one reply each--------- ChildBus  (events it published, its Control's requests)
+    parent --S A R B F D L C-->  reader thread: builds subscribers, puts each batch's events
+                                 straight into the sidecar bus's inbox (already stamped)
+    sidecar bus (the same EventBus engine: inbox, router, queues, delivery)
+    parent <--ack, status, replies--  what its subscribers publish and request, their counters
 
-The child ignores SIGINT (the parent decides when it ends), ends when the parent sends CLOSE
-or the socket closes, and exits by itself within ~0.2 s when the parent process is gone.
+The sidecar ignores SIGINT and SIGTERM: the parent decides when it ends, and closes it in
+order. When the parent is gone (its end of the socket closes, or it is no longer our parent)
+the sidecar drains everything it received, closes its subscribers (files) and exits.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
+import logging
 import os
 import pickle
 import signal
+import socket
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from multiprocessing.connection import Connection
-from typing import Any, TypeVar
+from typing import Any
 
+from eventbus.bus import EventBus
 from eventbus.control import Control
-from eventbus.core.delivery import Delivery
+from eventbus.core.inbox import BIG, publisher
+from eventbus.core.sizing import QUICK, quick_check
+from eventbus.core.subscription import Subscription
+from eventbus.core.worker import worker_name
 from eventbus.events import Event, StopRequested
 from eventbus.loader import load_object
+from eventbus.log import LOGGER_NAME, get_logger
 from eventbus.process import spawn, wire
+from eventbus.stats import BusStats
 
-__all__ = ["ChildBus", "SubscriberCalls", "main", "serve"]
+__all__ = ["Host", "SidecarHandle", "describe_error", "main"]
 
-T = TypeVar("T")
+STATUS_EVERY = 0.05  # seconds between counter reports to the parent (and on demand)
 
 
-class ChildBus:
-    """What a process-placed subscriber gets as `bus` (a `BusHandle`): what it publishes and
-    the stop/abort requests of its `control` go back to the parent with the next reply."""
+class SidecarHandle:
+    """What a sidecar subscriber gets as `bus` (a `BusHandle`): what it publishes and the
+    stop/abort requests of its `control` go to the parent bus, which stamps and routes them."""
 
-    def __init__(self, info: wire.StartInfo) -> None:
+    def __init__(self, info: wire.StartInfo, wake: threading.Event) -> None:
         self.rank = info["rank"]
         self.world_size = info["world_size"]
         self.local_rank = info["local_rank"]
-        self.published: list[Event] = []
-        self.requests: list[StopRequested] = []
+        self.restarted = info["restarted"]  # rebuilt after a death: append, do not reset
+        self.parent_stats: BusStats | None = None  # sent with the close
+        self.host_stats: Callable[[], BusStats] = lambda: BusStats(0, 0, 0, 0, 0.0, 0)
+        self._wake = wake
+        self._lock = threading.Lock()
+        self._published: list[Event] = []
+        self._requests: list[StopRequested] = []
         # The one Control class: the StopRequested events it publishes are the requests the
         # parent replays on its own control (which publishes them on the bus).
-        self.control = Control(self.requests.append)
+        self.control = Control(self._request)
 
     def publish(self, ev: Event) -> None:
-        """Queue `ev` for the parent bus (sent with this message's reply)."""
+        """Queue `ev` for the parent bus (sent within a status interval)."""
         if not isinstance(ev, Event):
             raise TypeError(f"publish() takes an eventbus Event, got {type(ev).__qualname__}")
         if ev.ts is None:
             ev.ts = time.time_ns()
-        self.published.append(ev)
+        with self._lock:
+            self._published.append(ev)
+        self._wake.set()
+
+    def _request(self, ev: StopRequested) -> None:
+        if ev.source is None:  # the asking subscriber: its worker thread, or its loop task
+            ev.source = worker_name() or publisher.get()
+        with self._lock:
+            self._requests.append(ev)
+        self._wake.set()
 
     @property
     def should_stop(self) -> bool:
-        """True once this subscriber requested a stop or an abort."""
+        """True once a subscriber here requested a stop or an abort."""
         return self.control.should_stop
 
-    def reply(self, error: str | None = None, value: Any = None) -> bytes:
-        """The reply to the current message, carrying (and clearing) what was published."""
-        published, requests = self.published, self.requests[:]
-        self.published, self.requests[:] = [], []
-        try:
-            return wire.encode_reply(error, value, published=published, requests=requests)
-        except BaseException as e:  # a state or event field that won't pickle
-            lost = f"; {len(published)} published events lost" if published else ""
-            return wire.encode_reply(
-                f"the reply could not be sent{lost}: {describe_error(e)}", requests=requests
-            )
+    def stats(self) -> BusStats:
+        """The parent's counters as sent with the close (in-process subscribers final by then)
+        with this sidecar's own subscribers' counters (for a writer's last record)."""
+        here = self.host_stats()
+        if self.parent_stats is None:
+            return here
+        both = {**self.parent_stats.subscribers, **here.subscribers}
+        return replace(self.parent_stats, subscribers=both)
+
+    def take(self) -> tuple[list[Event], list[StopRequested]]:
+        """What was published and requested since the last call."""
+        with self._lock:
+            out = self._published, self._requests
+            self._published, self._requests = [], []
+        return out
 
 
-class SubscriberCalls:
-    """The child's caller of subscriber code: the bus's own `Delivery`, on a private loop.
+class LogRelay(logging.Handler):
+    """The sidecar's `eventbus` log records, held for the parent, which logs them as its own
+    (its handlers, levels and structlog configuration decide what a person sees)."""
 
-    Whatever the subscriber raises, `BaseException` included (SystemExit, KeyboardInterrupt,
-    GeneratorExit), comes back as an error text for the parent to count; the child goes on.
-    Awaitables are awaited, also when a plain function returns one (`lambda ev: coro(ev)`).
-    """
+    def __init__(self, wake: threading.Event) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[tuple[int, str]] = []
+        self._wake = wake
 
-    def __init__(self, sub: Any) -> None:
-        # The parent counts, logs and disables; here the delivery only calls and reports.
-        self.delivery = Delivery(sub, name="child", max_consecutive_failures=None, report=False)
-        self._loop = asyncio.new_event_loop()
+    def emit(self, record: logging.LogRecord) -> None:
+        with contextlib.suppress(Exception):
+            self.records.append((record.levelno, record.getMessage()))
+            self._wake.set()
 
-    def hook(self, name: str, *args: Any) -> tuple[Any, str | None]:
-        """Call an optional hook: (its value, None) or (None, the error); (None, None) if absent.
+    def take(self) -> list[tuple[int, str]]:
+        out, self.records = self.records, []
+        return out
 
-        Hooks belong to subscriber objects; a function's attributes are not called.
-        """
-        d = self.delivery
-        if name in ("on_start", "on_close", "on_flush"):
-            d.last_hook_error = None
-            self._run(d.call_hook(name, *args))
-            err = d.last_hook_error
-            return None, describe_error(err) if err is not None else None
-        try:
-            return self._run(d.call_method(name, *args)), None
-        except BaseException as e:  # user code: counted by the parent
-            return None, describe_error(e)
+    def install(self) -> None:
+        log = logging.getLogger(LOGGER_NAME)
+        log.addHandler(self)
+        log.setLevel(logging.INFO)
+        log.propagate = False  # the parent shows them: nothing printed here
 
-    def deliver(self, events: list[Event]) -> str | None:
-        """Hand `events` over (one batch, or one call per event); None, or the first failure."""
-        d = self.delivery
-        failed = d.failed
-        self._run(d.deliver(events))
-        if d.first_failure is None:
-            return None
-        ev, first = d.first_failure
-        if d.batched:
-            return describe_error(first, [ev])
-        return (
-            f"{d.failed - failed} of {len(events)} events failed; first: "
-            f"{describe_error(first, [ev])}"
+
+class Host:
+    """The sidecar process: one bus hosting every subscriber the parent placed here."""
+
+    def __init__(self, conn: Connection, info: wire.StartInfo) -> None:
+        self.conn = conn
+        self.info = info
+        self._send_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = threading.Event()
+        self.handle = SidecarHandle(info, self._wake)
+        self.logs = LogRelay(self._wake)
+        self.logs.install()
+        # world_size=1: the sidecar takes part in no collective; its subscribers see the real
+        # rank and world size through the handle.
+        self.bus = EventBus(
+            rank=info["rank"],
+            world_size=1,
+            name=f"{info['name']}-sidecar",
+            drain_interval=info["drain_interval"],
+            hang_timeout=info["hang_timeout"],
+            max_consecutive_failures=info["max_consecutive_failures"],
+            handle_signals=False,
+            inbox_max_bytes=info["max_bytes"],
+            queue_max_bytes=info["max_bytes"],
         )
+        self.bus._loop.handle = self.handle  # subscribers publish to the parent, not here
+        self.handle.host_stats = self.bus.stats
+        self.subs: dict[int, Subscription] = {}
+        self.own: dict[str, Any] = {}  # subscribers with a `stats()` of their own, by name
+        self._main_imported = False
 
-    def close(self) -> None:
-        self.delivery.worker.stop()
-        self._loop.close()
+    def serve(self) -> None:
+        """Answer the parent until it closes us or goes away."""
+        self.bus.start()
+        threading.Thread(target=self._report, name="eventbus-sidecar-status", daemon=True).start()
+        try:
+            while self._serve_one():
+                pass
+        finally:
+            self._closed.set()
+            if self.bus.running:  # the parent is gone: keep what we received
+                self.bus.close()
+                self._send_status()
 
-    def _run(self, aw: Coroutine[Any, Any, T]) -> T:
-        return self._loop.run_until_complete(aw)
+    def _serve_one(self) -> bool:
+        try:
+            msg = self.conn.recv_bytes()
+        except (EOFError, OSError):
+            return False  # the parent is gone
+        op, payload = msg[:1], msg[1:]
+        if op == wire.BATCH:
+            inbox = self.bus._inbox  # already stamped by the parent: straight to the inbox
+            for ev in wire.unpack(payload):
+                text = (QUICK.get(type(ev)) or quick_check(type(ev)))(ev)
+                if text < 0 or text >= BIG:  # counted against the byte bound, as publish does
+                    inbox.put_sized(ev)
+                else:
+                    inbox.put(ev)  # waits only while a lossless subscriber's queue is full
+            self._send(("ack", len(msg)))
+        elif op == wire.ADD:
+            self._add(pickle.loads(payload))
+        elif op == wire.REMOVE:
+            sub = self.subs.pop(pickle.loads(payload), None)
+            if sub is not None:
+                sub.remove()
+        elif op == wire.CLOSE:
+            req, (timeout, self.handle.parent_stats) = pickle.loads(payload)
+            st = self.bus.close(timeout)
+            self._reply(req, None, st.hung)
+            return False
+        else:
+            req, arg = pickle.loads(payload)
+            self._request(op, req, arg)
+        return True
+
+    def _add(self, add: wire.AddInfo) -> None:
+        try:
+            if add["main"] and not self._main_imported:
+                spawn.import_main(*add["main"])
+                self._main_imported = True
+            sub = build(add["target"])
+            if callable(getattr(sub, "stats", None)):
+                self.own[add["name"]] = sub
+            events = pickle.loads(add["events"])
+            self.subs[add["id"]] = self.bus.subscribe(
+                sub,
+                name=add["name"],
+                events=events,
+                policy=add["policy"],
+                maxsize=add["maxsize"],
+                max_batch=add["max_batch"],
+                placement="thread",
+            )
+        except BaseException as e:  # user code (unpickling, the factory): the parent reports it
+            self._send(("added", add["id"], describe_error(e)))
+            return
+        self._send(("added", add["id"], None))
+
+    def _request(self, op: bytes, req: int, arg: Any) -> None:
+        value: Any = None
+        try:
+            if op == wire.FLUSH:
+                value = self.bus.flush(arg)
+            elif op == wire.STATE:
+                value = self.bus.state_dict()
+            elif op == wire.LOAD:
+                self.bus.load_state_dict(arg)
+            else:
+                raise ValueError(f"unknown opcode {op!r}: parent and sidecar differ in version")
+        except BaseException as e:  # the subscriber's state_dict / load_state_dict
+            self._reply(req, describe_error(e), None)
+            return
+        self._reply(req, None, value)
+
+    def _reply(self, req: int, error: str | None, value: Any) -> None:
+        self._send_status()  # first: what was published and counted before the answer
+        try:
+            self._send(("reply", req, error, value))
+        except (pickle.PicklingError, TypeError, AttributeError) as e:  # a state that won't pickle
+            self._send(("reply", req, f"the answer could not be sent: {describe_error(e)}", None))
+
+    def _report(self) -> None:
+        """Send the counters, and what subscribers published, every STATUS_EVERY seconds
+        or as soon as something was published."""
+        while not self._closed.is_set():
+            self._wake.wait(STATUS_EVERY)
+            self._wake.clear()
+            with contextlib.suppress(OSError):
+                self._send_status()
+
+    def _send_status(self) -> None:
+        with self._send_lock:  # one status at a time: its events stay in publishing order
+            published, requests = self.handle.take()
+            try:
+                packed = wire.pack(published) if published else None
+            except BaseException as e:  # a field that won't pickle: counted by the parent
+                get_logger().error(
+                    "sidecar: events its subscribers published could not be sent; lost",
+                    lost=len(published),
+                    error=f"{type(e).__name__}: {e}",
+                )
+                packed = None
+            own = {}
+            for name, sub in list(self.own.items()):
+                with contextlib.suppress(Exception):  # user code: its report is optional
+                    own[name] = sub.stats()
+            logs = self.logs.take()
+            status = ("status", self.bus.stats().subscribers, packed, requests, own, logs)
+            try:
+                self._send_locked(status)
+            except (pickle.PicklingError, TypeError, AttributeError):  # a stats() that won't pickle
+                self._send_locked((*status[:4], {}, logs))
+
+    def _send(self, msg: tuple[Any, ...]) -> None:
+        with self._send_lock:
+            self._send_locked(msg)
+
+    def _send_locked(self, msg: tuple[Any, ...]) -> None:
+        data = wire.dumps(msg)
+        with contextlib.suppress(OSError):  # the parent is gone: we still drain and close
+            self.conn.send_bytes(data)
 
 
-def describe_error(e: BaseException, events: Sequence[Event] = ()) -> str:
-    """The error as the parent reports it: type, message, first event, child traceback."""
-    tb = "".join(traceback.format_exception(e)).rstrip()
-    where = f" (event type {type(events[0]).__name__}, step {events[0].step})" if events else ""
-    return f"{type(e).__name__}: {e}{where}\n--- child traceback ---\n{tb}"
-
-
-def build(target: wire.Target, info: wire.StartInfo) -> Any:
-    """The subscriber: unpickled (after importing the parent's script if it needs it) or made
-    by its factory."""
+def build(target: wire.Target) -> Any:
+    """The subscriber: unpickled, or made by its factory."""
     if target[0] == "pickled":
-        if info["main"]:
-            spawn.import_main(*info["main"])
         return pickle.loads(target[1])
     spec, args, kwargs = target[1]
     return load_object(spec)(*args, **kwargs)
 
 
-def serve(conn: Connection, target: wire.Target, ppid: int, info: wire.StartInfo) -> None:
-    """The child's loop: build the subscriber, then answer the parent's messages."""
-    _watch_parent(ppid)
-    if info["nice"] and hasattr(os, "nice"):
-        with contextlib.suppress(OSError):
-            os.nice(info["nice"])  # background analysis: training keeps the CPU it needs
-    bus = ChildBus(info)
-    try:
-        calls = SubscriberCalls(build(target, info))
-    except BaseException as e:  # user code (unpickling, the factory)
-        _send(conn, bus.reply(describe_error(e)))
-        return
-    _, err = calls.hook("on_start", bus)
-    if not _send(conn, bus.reply(err)) or err:
-        return
-    while True:
-        try:
-            msg = conn.recv_bytes()
-        except (EOFError, OSError):
-            return  # the parent is gone
-        op, payload = msg[:1], msg[1:]
-        value: Any = None
-        if op == wire.BATCH:
-            events, err = _decode(wire.unpack, payload)
-            err = err or calls.deliver(events)
-        elif op == wire.CLOSE:
-            _, err = calls.hook("on_close")
-            calls.close()
-            _send(conn, bus.reply(err))
-            conn.close()
-            return
-        elif op == wire.STATE:
-            value, err = calls.hook("state_dict")
-        elif op == wire.LOAD:
-            state, err = _decode(pickle.loads, payload)
-            if err is None:
-                _, err = calls.hook("load_state_dict", state)
-        else:
-            err = f"unknown opcode {op!r}: parent and child run different eventbus versions"
-        if not _send(conn, bus.reply(err, value)):
-            return
+def describe_error(e: BaseException, events: Sequence[Event] = ()) -> str:
+    """An error as the parent reports it: type, message, the sidecar's traceback."""
+    tb = "".join(traceback.format_exception(e)).rstrip()
+    where = f" (event type {type(events[0]).__name__}, step {events[0].step})" if events else ""
+    return f"{type(e).__name__}: {e}{where}\n--- sidecar traceback ---\n{tb}"
 
 
-def _decode(load: Callable[[bytes], Any], payload: bytes) -> tuple[Any, str | None]:
-    try:
-        return load(payload), None
-    except BaseException as e:  # unpickling runs user classes' code
-        return None, describe_error(e)
+def _watch_parent(ppid: int, sock: socket.socket) -> None:
+    """A forked DataLoader worker may keep the parent's end of the socket open: look at our
+    parent too, and end the reading when it is gone (the sidecar then drains and exits)."""
 
-
-def _send(conn: Connection, data: bytes) -> bool:
-    try:
-        conn.send_bytes(data)
-    except OSError:
-        return False  # the parent is gone
-    return True
-
-
-def _watch_parent(ppid: int) -> None:
     def run() -> None:
-        while True:
-            if os.getppid() != ppid:
-                os._exit(3)  # the parent is gone: never outlive it
+        while os.getppid() == ppid:
             time.sleep(0.2)
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RD)
 
     threading.Thread(target=run, name="eventbus-parent-watch", daemon=True).start()
 
 
 def main() -> None:
-    """`python -c` entry point of the child: argv[1] is the socket's fd."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent closes us in order
+    """`python -c` entry point of the sidecar: argv[1] is the socket's fd."""
+    t0 = float(sys.argv[2])
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the parent closes us in order
+        signal.signal(sig, signal.SIG_IGN)
     paths = json.loads(os.environ.pop(spawn.PATH_ENV, "[]"))
     sys.path[:0] = [p for p in paths if p not in sys.path]
-    conn = Connection(int(sys.argv[1]))
+    fd = int(sys.argv[1])
+    sock = socket.socket(fileno=os.dup(fd))  # for shutdown() only; the Connection reads
+    conn = Connection(fd)
     try:
-        target, ppid, info = wire.decode_start(conn.recv_bytes())
+        msg = conn.recv_bytes()
     except (EOFError, OSError):
         return
-    serve(conn, target, ppid, info)
+    info: wire.StartInfo = pickle.loads(msg[1:])
+    _watch_parent(info["ppid"], sock)
+    if info["nice"] and hasattr(os, "nice"):
+        with contextlib.suppress(OSError):
+            os.nice(info["nice"])  # background work: training keeps the CPU it needs
+    host = Host(conn, info)
+    host._send(("ready", time.time() - t0))
+    host.serve()

@@ -1,20 +1,10 @@
-"""What process placement raises. A dead or hung child raises `SubscriberGone` (the core's):
-the delivery code counts that batch failed and disables the subscriber at once."""
+"""What process placement raises."""
 
 from __future__ import annotations
 
-from eventbus.core.subscriber import SubscriberGone
-
-__all__ = ["ChildProcessDied", "ChildProcessHung", "RemoteError", "SubscriberGone"]
+__all__ = ["RemoteError"]
 
 
 class RemoteError(RuntimeError):
-    """The subscriber raised in its child process; the message carries its traceback."""
-
-
-class ChildProcessDied(SubscriberGone, RuntimeError):
-    """The child process of a process-placed subscriber exited unasked."""
-
-
-class ChildProcessHung(SubscriberGone, RuntimeError):
-    """The child did not answer within its deadline (`batch_timeout`); it was killed."""
+    """A sidecar subscriber raised (state_dict, load_state_dict) or the sidecar died while we
+    waited for its answer; the message carries its traceback."""

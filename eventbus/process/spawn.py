@@ -60,14 +60,14 @@ class Child:
         return f"child process {self.pid} of {name!r} died ({how}; {what})"
 
 
-def launch(name: str) -> tuple[Child, Connection]:
+def launch(name: str, t0: float) -> tuple[Child, Connection]:
     """Start a fresh interpreter (spawn semantics: no inherited threads, locks or CUDA state)
     connected to us by a socket pair."""
     ours, theirs = socket.socketpair()
     env = {**os.environ, PATH_ENV: json.dumps([p for p in sys.path if p])}
     try:
         popen = subprocess.Popen(
-            [sys.executable, "-c", _BOOT, str(theirs.fileno()), name],
+            [sys.executable, "-c", _BOOT, str(theirs.fileno()), repr(t0), name],
             pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL,
             env=env,

@@ -5,9 +5,50 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, ClassVar, SupportsIndex
 
-__all__ = ["check_writable_dir", "check_writable_file"]
+from eventbus.core import BusHandle
+
+__all__ = ["BuiltFromArguments", "check_writable_dir", "check_writable_file", "made_with"]
+
+
+class BuiltFromArguments:
+    """A built-in sink: in the sidecar process by default, pickled as the arguments it was
+    made with, so the sidecar builds its own copy (locks, threads and open files never cross).
+
+    A user's subclass runs in the training process unless it sets `placement` itself, and one
+    with an `__init__` of its own pickles as any object does.
+    """
+
+    placement: ClassVar[str] = "process"
+    _made_with: tuple[type[Any], dict[str, Any]]
+    _reported: Callable[[], Any] | None = None  # this sink's own stats, as its sidecar reports
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "placement" not in cls.__dict__ and cls.__module__.split(".")[0] != "eventbus":
+            cls.placement = "thread"  # a user's subclass: its code runs where they expect
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
+        made_by, kwargs = self._made_with
+        if type(self).__init__ is made_by.__init__:
+            return (_build, (type(self), kwargs))
+        return object.__reduce_ex__(self, protocol)
+
+    def placed_in_sidecar(self, bus: BusHandle, reported: Callable[[], Any]) -> None:
+        """The bus runs this sink's copy in its sidecar: `stats()` reads what it reports."""
+        self._reported = reported
+
+
+def made_with(arguments: dict[str, Any], cls: type[Any]) -> tuple[type[Any], dict[str, Any]]:
+    """`cls.__init__`'s arguments, from its `locals()` taken first thing."""
+    return cls, {k: v for k, v in arguments.items() if k not in ("self", "__class__")}
+
+
+def _build(cls: type[Any], kwargs: dict[str, Any]) -> Any:
+    return cls(**kwargs)
 
 
 def _error(who: str, path: Path, e: OSError, what: str) -> OSError:

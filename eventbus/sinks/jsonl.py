@@ -17,6 +17,7 @@ import dataclasses
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -24,7 +25,12 @@ from typing import Any, ClassVar
 from eventbus.core import BusHandle
 from eventbus.events import CheckpointLoaded, Event, RunStarted
 from eventbus.log import get_logger
-from eventbus.sinks._files import check_writable_dir, check_writable_file
+from eventbus.sinks._files import (
+    BuiltFromArguments,
+    check_writable_dir,
+    check_writable_file,
+    made_with,
+)
 from eventbus.sinks._jsonl_file import JsonlFile, JsonlWriteError
 from eventbus.sinks._jsonl_records import LineEncoder, header_record, stats_record
 
@@ -52,7 +58,7 @@ class JsonlWriterStats:
 _RESUMES = (CheckpointLoaded, RunStarted)  # events that may carry a resume step
 
 
-class JsonlWriter:
+class JsonlWriter(BuiltFromArguments):
     """Write events as JSON lines under a directory (`events.jsonl`, or per rank
     `events.rank{r}.jsonl` when the world size is > 1), or to a given `*.jsonl` file.
 
@@ -85,6 +91,7 @@ class JsonlWriter:
         """`flush_interval=0` writes each batch as it arrives (one `os.write` per batch);
         a positive value holds lines up to that many seconds (or `buffer_bytes`) for fewer,
         larger writes. `fsync=True` syncs the file to disk at close."""
+        self._made_with = made_with(locals(), JsonlWriter)  # first: the sidecar builds from these
         if flush_interval < 0:
             raise ValueError(f"flush_interval must be >= 0 seconds, got {flush_interval!r}")
         if max_line_bytes < 256:
@@ -141,6 +148,8 @@ class JsonlWriter:
     def on_start(self, bus: BusHandle | None = None) -> None:
         """Open the file for this rank: repair a torn last line, apply a resume, add a header."""
         self._bus = bus
+        if getattr(bus, "restarted", False):  # rebuilt after its sidecar died: append
+            self._resume_from, self.overwrite = None, False
         if bus is not None:
             self.rank = bus.rank if self.rank is None else self.rank
             self.world_size = bus.world_size if self.world_size is None else self.world_size
@@ -258,8 +267,19 @@ class JsonlWriter:
                 self._file.write_out()
                 self._file.truncate_after(step)
 
+    def placed_in_sidecar(self, bus: BusHandle, reported: Callable[[], Any]) -> None:
+        """Its copy runs in the sidecar: `path` and `stats()` say what that copy does."""
+        super().placed_in_sidecar(bus, reported)
+        self.rank = bus.rank if self.rank is None else self.rank
+        self.world_size = bus.world_size if self.world_size is None else self.world_size
+
     def stats(self) -> JsonlWriterStats:
-        """This writer's own counters (lines, skipped events, lost lines, resume repairs)."""
+        """This writer's own counters (lines, skipped events, lost lines, resume repairs);
+        in the sidecar's copy when it runs there (as its latest report says)."""
+        if self._reported is not None:
+            st = self._reported()
+            if isinstance(st, JsonlWriterStats):
+                return st
         f = self._file
         return JsonlWriterStats(
             path=str(f.path) if f.path else None,

@@ -42,7 +42,7 @@ from eventbus.events import (
     TensorStats,
 )
 from eventbus.log import get_logger
-from eventbus.sinks._files import check_writable_dir
+from eventbus.sinks._files import BuiltFromArguments, check_writable_dir, made_with
 
 __all__ = ["TensorBoardSink"]
 
@@ -59,7 +59,7 @@ _TENSOR_STATS = ("norm", "mean", "std", "absmax", "nan_count", "inf_count")
 Scalar = tuple[str, float, int]  # tag, value, step
 
 
-class TensorBoardSink:
+class TensorBoardSink(BuiltFromArguments):
     """Write the event catalogue to TensorBoard under `log_dir` (see the module doc for tags).
 
     `resume_from_step=N` (or `load_state_dict({"step": N})`, a `CheckpointLoaded`, or a
@@ -84,6 +84,7 @@ class TensorBoardSink:
         ranks: Iterable[int] | None = (0,),
         max_queue: int = 1000,
     ) -> None:
+        self._made_with = made_with(locals(), TensorBoardSink)  # first: what the sidecar needs
         if importlib.util.find_spec("tensorboard") is None:
             raise ImportError(
                 "TensorBoardSink needs the tensorboard package: pip install 'eventbus[tensorboard]'"
@@ -101,6 +102,7 @@ class TensorBoardSink:
             if not ranks or not all(isinstance(r, int) for r in ranks):
                 raise ValueError(f"ranks must be a non-empty tuple of ints or None, got {ranks!r}")
         self.ranks: tuple[int, ...] | None = ranks
+        self._made_with[1]["ranks"] = ranks  # a generator given is spent: its tuple
         self.log_dir = check_writable_dir(Path(log_dir), "TensorBoardSink")
         self.flush_secs = flush_secs
         self.max_queue = max_queue
@@ -118,6 +120,8 @@ class TensorBoardSink:
         """Learn this process's rank (events without one are written as this rank's)."""
         if bus is not None:
             self._bus_rank = bus.rank
+        if getattr(bus, "restarted", False):  # rebuilt after its sidecar died: purge nothing
+            self._purge_step = None
 
     def on_events(self, batch: list[Event]) -> None:
         """Write each event's scalars, histograms and text."""

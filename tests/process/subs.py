@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -186,3 +188,59 @@ def gone(pid: int, within: float) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+class DieOnce:
+    """SIGKILLs its own (sidecar) process at step `at`, once per `marker` file: a crash."""
+
+    policy = "block"
+    events = (Loss,)
+
+    def __init__(self, marker: str, at: int) -> None:
+        self.marker, self.at = marker, at
+
+    def on_events(self, batch: list[Event]) -> None:
+        if any(ev.step == self.at for ev in batch) and not os.path.exists(self.marker):
+            Path(self.marker).write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Gate:
+    """Blocks each batch until the file `gate` exists: a slow, lossless sidecar subscriber."""
+
+    policy = "block"
+
+    def __init__(self, gate: str) -> None:
+        self.gate = gate
+        self.n = 0
+
+    def on_events(self, batch: list[Event]) -> None:
+        while not os.path.exists(self.gate):
+            time.sleep(0.01)
+        self.n += len(batch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.n = state["n"]
+
+
+@dataclass(slots=True, kw_only=True)
+class BigText(Event):
+    """A big event (a MiB of text, say) for the byte bounds."""
+
+    data: str = ""
+
+
+class WhereAmI:
+    """Writes the process id it runs in to `path` when started."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_start(self, bus: BusHandle) -> None:
+        Path(self.path).write_text(str(os.getpid()))
+
+    def on_events(self, batch: list[Event]) -> None:
+        return None

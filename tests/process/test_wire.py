@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from eventbus import Event
-from eventbus.events import Loss, Scalars, StopRequested, UnknownEvent
+from eventbus.events import Loss, Scalars, UnknownEvent
 from eventbus.process import wire
 
 
@@ -50,28 +50,9 @@ def test_an_event_module_that_exits_on_import_only_makes_the_type_unknown(
     assert ev.type_name == "Gone"
 
 
-def test_reply_carries_events_and_control_requests() -> None:
-    req = StopRequested(step=7, reason="diverged", abort=True, source="div")
-    reply = wire.decode_reply(
-        wire.encode_reply("boom", {"k": 1}, published=[Loss(step=1, value=0.5)], requests=[req])
-    )
-    assert reply["error"] == "boom"
-    assert reply["value"] == {"k": 1}
-    assert reply["published"] is not None
-    assert [(type(e), e.step) for e in wire.unpack(reply["published"])] == [(Loss, 1)]
-    assert reply["requests"] == [req]
-    empty = wire.decode_reply(wire.encode_reply())
-    assert (empty["error"], empty["published"], empty["requests"]) == (None, None, [])
-
-
-def test_start_record_round_trip() -> None:
-    info: wire.StartInfo = {
-        "rank": 1,
-        "world_size": 4,
-        "local_rank": 1,
-        "name": "x",
-        "main": ("path", "/tmp/train.py"),
-        "nice": 10,
-    }
-    target: wire.Target = ("factory", ("pkg.mod:make", (1,), {"k": 2}))
-    assert wire.decode_start(wire.encode_start(target, 123, info)) == (target, 123, info)
+def test_opcodes_are_distinct_single_bytes_with_names() -> None:
+    ops = [wire.START, wire.ADD, wire.REMOVE, wire.BATCH, wire.FLUSH, wire.STATE, wire.LOAD]
+    ops.append(wire.CLOSE)
+    assert all(len(op) == 1 for op in ops)
+    assert len(set(ops)) == len(ops)
+    assert set(wire.OP_NAMES) == set(ops)

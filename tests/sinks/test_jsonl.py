@@ -66,7 +66,7 @@ def _loss_steps(path: Path) -> list[int]:
 def _write_run(directory: Path, steps: range, **kw: Any) -> JsonlWriter:
     w = JsonlWriter(directory, **kw)
     bus = _bus()
-    bus.subscribe(w)
+    bus.subscribe(w, placement="thread")
     with bus:
         for s in steps:
             bus.publish(Loss(step=s, value=float(s)))
@@ -96,7 +96,7 @@ def test_100k_mixed_events_read_back_equal_with_non_finite(tmp_path: Path) -> No
     sent = [_mixed(i) for i in range(100_000)]
     w = JsonlWriter(tmp_path)
     bus = _bus()
-    bus.subscribe(w)
+    bus.subscribe(w)  # in the sidecar, as by default
     with bus:
         for ev in sent:
             bus.publish(ev)
@@ -132,7 +132,7 @@ def test_one_file_per_rank_when_world_size_above_one(tmp_path: Path) -> None:
     for rank in (0, 1):
         w = JsonlWriter(tmp_path)
         bus = EventBus(rank=rank, world_size=2, drain_interval=0.002)
-        bus.subscribe(w)
+        bus.subscribe(w, placement="thread")
         with bus:
             bus.publish(Loss(step=1, value=float(rank)))
         assert w.path == tmp_path / f"events.rank{rank}.jsonl"
@@ -155,7 +155,7 @@ def test_resume_through_load_state_dict_from_a_checkpoint(tmp_path: Path) -> Non
     assert state["step"] == 8
     w = JsonlWriter(tmp_path)
     bus = _bus()
-    bus.subscribe(w)
+    bus.subscribe(w, placement="thread")
     bus.load_state_dict({"jsonl": {"step": 4}})  # as a checkpoint at step 4 would restore
     with bus:
         for s in range(5, 7):
@@ -166,7 +166,7 @@ def test_resume_through_load_state_dict_from_a_checkpoint(tmp_path: Path) -> Non
 def test_checkpoint_loaded_mid_run_rolls_the_log_back(tmp_path: Path) -> None:
     w = JsonlWriter(tmp_path)
     bus = _bus()
-    bus.subscribe(w)
+    bus.subscribe(w, placement="thread")
     with bus:
         for s in range(1, 9):
             bus.publish(Loss(step=s, value=1.0))
@@ -183,7 +183,7 @@ def test_dev_full_marks_the_sink_failed_and_the_rest_goes_on(
     w = JsonlWriter("/dev/full")
     rec = Recorder()
     bus = EventBus(drain_interval=0.002, max_consecutive_failures=5)
-    bus.subscribe(w)
+    bus.subscribe(w, placement="thread")
     bus.subscribe(rec)
     with caplog.at_level(logging.WARNING, logger="eventbus"), bus:
         for s in range(500):
@@ -218,7 +218,7 @@ def test_disk_full_mid_run_keeps_what_was_written_and_counts_the_rest(
     monkeypatch.setattr(os, "write", write)
     rec = Recorder()
     bus = _bus()
-    bus.subscribe(w)
+    bus.subscribe(w, placement="thread")
     bus.subscribe(rec)
     with bus:
         for s in range(100):
@@ -267,7 +267,7 @@ def test_bad_arguments_are_clear_errors(tmp_path: Path) -> None:
 def test_oversize_line_becomes_a_counted_marker(tmp_path: Path) -> None:
     w = JsonlWriter(tmp_path, max_line_bytes=1024)
     bus = _bus()
-    bus.subscribe(w)
+    bus.subscribe(w, placement="thread")
     with bus:
         bus.publish(Loss(step=1, value=1.0))
         bus.publish(Scalars(step=2, values={f"k{i}": float(i) for i in range(200)}))
@@ -290,7 +290,7 @@ def test_unserialisable_field_is_counted_logged_and_the_batch_goes_on(
 ) -> None:
     w = JsonlWriter(tmp_path)
     bus = _bus()
-    bus.subscribe(w)
+    bus.subscribe(w, placement="thread")
     with caplog.at_level(logging.WARNING, logger="eventbus"), bus:
         bus.publish(Loss(step=1, value=1.0))
         bus.publish(Opaque(step=2, thing=object()))
@@ -308,7 +308,7 @@ def test_unserialisable_field_is_counted_logged_and_the_batch_goes_on(
 def test_flush_interval_holds_lines_then_writes_them(tmp_path: Path) -> None:
     w = JsonlWriter(tmp_path, flush_interval=0.2)
     bus = _bus()
-    bus.subscribe(w)
+    bus.subscribe(w, placement="thread")
     with bus:
         bus.publish(Loss(step=1, value=1.0))
         assert bus.flush(5)
@@ -321,7 +321,7 @@ def test_flush_interval_holds_lines_then_writes_them(tmp_path: Path) -> None:
 def test_long_flush_interval_holds_lines_until_flush_or_close(tmp_path: Path) -> None:
     w = JsonlWriter(tmp_path, flush_interval=3600)
     bus = _bus()
-    bus.subscribe(w)
+    bus.subscribe(w, placement="thread")
     with bus:
         for s in range(1, 4):
             bus.publish(Loss(step=s, value=1.0))
@@ -334,7 +334,7 @@ def test_long_flush_interval_holds_lines_until_flush_or_close(tmp_path: Path) ->
 def test_without_interval_each_batch_is_on_disk_before_close(tmp_path: Path) -> None:
     w = JsonlWriter(tmp_path)
     bus = _bus()
-    bus.subscribe(w)
+    bus.subscribe(w, placement="thread")
     with bus:
         bus.publish(Loss(step=1, value=1.0))
         assert bus.flush(5)
@@ -374,7 +374,7 @@ def test_write_error_type_is_an_oserror() -> None:
 def test_a_forked_child_never_writes_the_parents_held_lines(tmp_path: Path) -> None:
     w = JsonlWriter(tmp_path, flush_interval=3600)  # lines held in memory when we fork
     bus = _bus()
-    bus.subscribe(w)
+    bus.subscribe(w, placement="thread")
     with bus:
         for s in range(1, 4):
             bus.publish(Loss(step=s, value=1.0))
@@ -440,7 +440,7 @@ def test_one_bad_payload_skips_exactly_itself_and_the_batch_goes_on(
 ) -> None:
     w = JsonlWriter(tmp_path)
     bus = _bus()
-    bus.subscribe(w)
+    bus.subscribe(w, placement="thread")
     with bus:  # one batch: nothing is written until the bus drains after close
         bus.publish(Loss(step=0, value=0.0))
         bus.publish(Opaque(step=1, thing=bad()))
@@ -464,7 +464,7 @@ def test_one_bad_payload_skips_exactly_itself_and_the_batch_goes_on(
 def test_string_tags_and_int_keys_survive_the_writer(tmp_path: Path) -> None:
     w = JsonlWriter(tmp_path)
     bus = _bus()
-    bus.subscribe(w)
+    bus.subscribe(w, placement="thread")
     with bus:
         bus.publish(RunStarted(config={1: "a", "1": "b", "act": "NaN"}))
         bus.publish(JsonlUserEvent(step=1, label="Infinity", score=math.inf))

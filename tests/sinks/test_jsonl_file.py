@@ -37,7 +37,7 @@ def test_resume_with_torn_last_line_each_step_once(tmp_path: Path) -> None:
 def test_resume_keeps_late_lines_of_earlier_steps(tmp_path: Path) -> None:
     w = JsonlWriter(tmp_path)
     bus = _bus()
-    bus.subscribe(w)
+    bus.subscribe(w, placement="thread")
     with bus:
         bus.publish(RunStarted(config={}))
         for s in range(1, 6):
@@ -153,7 +153,7 @@ def test_bus_stats_say_what_reached_the_disk(
     w = JsonlWriter(tmp_path, flush_interval=3600)
     disk = _Disk(monkeypatch, w.path)
     bus = _bus()
-    sub = bus.subscribe(w)
+    sub = bus.subscribe(w, placement="thread")
     with bus:
         for s in range(5000):
             bus.publish(Loss(step=s, value=float(s)))

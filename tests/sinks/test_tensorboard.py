@@ -43,7 +43,7 @@ def _scalars(acc: EventAccumulator, tag: str) -> list[tuple[int, float]]:
 def _run(d: Path, events: list[Event], **kw: Any) -> TensorBoardSink:
     sink = TensorBoardSink(d, **kw)
     bus = EventBus(drain_interval=0.002, close_timeout=30)
-    bus.subscribe(sink)
+    bus.subscribe(sink, placement="thread")
     with bus:
         for ev in events:
             bus.publish(ev)
@@ -184,7 +184,7 @@ def test_checkpoint_loaded_and_load_state_dict_purge_too(tmp_path: Path) -> None
     time.sleep(1.1)
     sink = TensorBoardSink(tmp_path / "b")
     bus = EventBus(drain_interval=0.002)
-    bus.subscribe(sink)
+    bus.subscribe(sink, placement="thread")
     bus.load_state_dict({"tensorboard": {"step": 3}})
     with bus:
         bus.publish(Loss(step=4, value=9.0))
@@ -195,7 +195,7 @@ def test_one_rank_writes_by_default(tmp_path: Path) -> None:
     assert TensorBoardSink.ranks == (0,)
     sink = TensorBoardSink(tmp_path)
     bus = EventBus(rank=1, world_size=2, drain_interval=0.002)
-    handle = bus.subscribe(sink)
+    handle = bus.subscribe(sink, placement="thread")
     assert not handle.active
     with bus:
         bus.publish(Loss(step=1, value=1.0))
@@ -206,7 +206,7 @@ def test_all_ranks_write_to_their_own_subdirectory(tmp_path: Path) -> None:
     for rank in (0, 1):
         sink = TensorBoardSink(tmp_path, ranks=None)
         bus = EventBus(rank=rank, world_size=2, drain_interval=0.002)
-        bus.subscribe(sink)
+        bus.subscribe(sink, placement="thread")
         with bus:
             bus.publish(Loss(step=1, value=float(rank)))
     for rank in (0, 1):

@@ -1,0 +1,80 @@
+"""`Channel`: one sidecar process and its socket, with a thread that sends and one that reads.
+
+Callers never block on the socket: they post, the sender thread writes. Only the reader closes
+the socket, once the sender is done: a closed descriptor number is soon another socket's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from eventbus.process import spawn
+
+__all__ = ["Channel"]
+
+
+class Channel:
+    """One sidecar process and its socket: a sender thread (callers never block on the
+    socket) and a reader thread (acks, reports, replies)."""
+
+    def __init__(
+        self, name: str, start: bytes, adds: list[bytes], read: Callable[[Channel], None]
+    ) -> None:
+        self.t0 = time.time()
+        self.proc, self.conn = spawn.launch(name, self.t0)
+        self.finalizer = weakref.finalize(self, spawn.kill, self.proc)
+        self.out: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self.in_flight = 0  # bytes of batches posted and not yet acknowledged
+        self.dead: str | None = None
+        self.spawn_s: float | None = None
+        self.replies: dict[int, tuple[str | None, Any]] = {}
+        self.post(start)
+        for add in adds:  # a restart rebuilds them all, in order
+            self.post(add)
+        self.sender = threading.Thread(target=self._send_loop, name="eventbus-sidecar-send")
+        self.sender.daemon = True
+        self.sender.start()
+        self.reader = threading.Thread(
+            target=read, args=(self,), name="eventbus-sidecar-read", daemon=True
+        )
+        self.reader.start()
+
+    def post(self, data: bytes | None) -> None:
+        self.out.put(data)
+
+    def _send_loop(self) -> None:
+        try:
+            while (data := self.out.get()) is not None:
+                self.conn.send_bytes(data)
+        except OSError:
+            return  # the reader sees the death and reports it
+        self.shutdown(socket.SHUT_WR)  # the sidecar reads to here, drains, closes its files, exits
+
+    def stop(self) -> None:
+        """After what was posted, end our side (never waiting on a sidecar that does not read)."""
+        self.post(None)
+
+    def shutdown(self, how: int) -> None:
+        """Shut the socket down without closing our descriptor, which the other thread may be
+        using: a closed number is soon another socket's, and its reads would steal that data."""
+        with contextlib.suppress(OSError, ValueError):
+            s = socket.socket(fileno=os.dup(self.conn.fileno()))
+            try:
+                s.shutdown(how)
+            finally:
+                s.close()
+
+    def finish(self) -> None:
+        """The reader is done: stop the sender, then (no thread uses it now) close the socket."""
+        self.shutdown(socket.SHUT_RDWR)  # a sender blocked on a sidecar that does not read
+        self.post(None)
+        self.sender.join()
+        self.conn.close()

@@ -1,0 +1,91 @@
+"""`Remote`: a subscriber in the sidecar, as the parent sees it: its options and counters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from eventbus.core.subscriber import State, SubscribeOptions
+from eventbus.process import wire
+from eventbus.process.proxy import ProcessSubscriber
+from eventbus.stats import SubscriberStats
+
+__all__ = ["Remote"]
+
+
+class Remote:
+    """A subscriber in the sidecar as the parent sees it: name, options, counters."""
+
+    def __init__(self, rid: int, name: str, spec: ProcessSubscriber, o: SubscribeOptions) -> None:
+        self.id = rid
+        self.name = name
+        self.spec = spec
+        self.events = o.events
+        self.policy = o.policy
+        self.maxsize = o.maxsize
+        self.max_batch = o.max_batch
+        self.state = State.PENDING
+        self.error: str | None = None
+        self.sent = 0  # events the parent sent it (all sidecars together)
+        self.lost = 0  # of those, never reported handled by a sidecar that died
+        self.base = _Counts()  # what earlier (dead) sidecars reported handled
+        self.last: SubscriberStats | None = None  # the live sidecar's latest report
+        self.own: Any = None  # the subscriber's own `stats()`, as last reported
+
+    def add_info(self) -> bytes:
+        info: wire.AddInfo = {
+            "id": self.id,
+            "name": self.name,
+            "target": self.spec.target,
+            "main": self.spec.main,
+            "events": wire.dumps(self.events),
+            "policy": self.policy,
+            "maxsize": self.maxsize,
+            "max_batch": self.max_batch,
+        }
+        return wire.ADD + wire.dumps(info)
+
+    def died(self) -> int:
+        """Its sidecar died: keep what it reported handled; the rest it was sent is lost."""
+        if self.last is not None:
+            self.base = self.base.plus(self.last)
+            self.last = None
+        lost = self.sent - self.lost - self.base.handled
+        self.lost += max(0, lost)
+        return max(0, lost)
+
+    def stats(self) -> SubscriberStats:
+        """Its counters: the sidecar's report, plus what the parent knows was lost."""
+        c = self.base.plus(self.last) if self.last is not None else self.base
+        dropped = c.dropped + self.lost
+        last = self.last
+        return SubscriberStats(
+            name=self.name,
+            policy=self.policy,
+            state=str(self.state),
+            published=self.sent,
+            delivered=c.delivered,
+            dropped=dropped,
+            failed=c.failed,
+            queued=max(0, self.sent - c.delivered - dropped - c.failed),  # in flight included
+            queue_high_water=last.queue_high_water if last else 0,
+            latency_p50_ms=last.latency_p50_ms if last else None,
+            latency_p99_ms=last.latency_p99_ms if last else None,
+            latency_max_ms=last.latency_max_ms if last else None,
+            error=self.error or (last.error if last else None),
+            queued_bytes=last.queued_bytes if last else 0,
+        )
+
+
+class _Counts:
+    """Events handled: delivered, failed, dropped."""
+
+    def __init__(self, delivered: int = 0, failed: int = 0, dropped: int = 0) -> None:
+        self.delivered, self.failed, self.dropped = delivered, failed, dropped
+
+    @property
+    def handled(self) -> int:
+        return self.delivered + self.failed + self.dropped
+
+    def plus(self, s: SubscriberStats) -> _Counts:
+        d, f, x = self.delivered + s.delivered, self.failed + s.failed, self.dropped + s.dropped
+        return _Counts(d, f, x)

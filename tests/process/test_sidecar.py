@@ -1,0 +1,206 @@
+"""The sidecar: one child process per bus hosting every process-placed subscriber, counted,
+flushed, closed and checkpointed like any other, surviving its own death."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import pytest
+
+from eventbus import EventBus
+from eventbus.events import Loss, Scalars, StopRequested
+from eventbus.process import ProcessSubscriber
+from eventbus.sinks import JsonlWriter, TensorBoardSink
+from tests.conftest import Recorder
+from tests.process.subs import BigText, DieOnce, Gate, Tally, WhereAmI, gone, steps_in
+
+NewBus = Callable[..., EventBus]
+
+
+def test_one_sidecar_hosts_every_process_subscriber(new_bus: NewBus, tmp_path: Path) -> None:
+    bus = new_bus()
+    seen = Recorder(events=[StopRequested])
+    bus.subscribe(seen)
+    bus.subscribe(WhereAmI(str(tmp_path / "pid1")), placement="process")
+    bus.subscribe(WhereAmI(str(tmp_path / "pid2")), placement="process")
+    a = bus.subscribe(Tally(str(tmp_path / "a")), placement="process")
+    b = bus.subscribe(ProcessSubscriber(Tally(str(tmp_path / "b"))), name="second")
+    writer = JsonlWriter(tmp_path / "log")  # in the sidecar by default
+    bus.subscribe(writer)
+    n = 3000
+    with bus:
+        for i in range(n):
+            bus.publish(Loss(step=i, value=float(i)))
+            bus.publish(Scalars(step=i, values={"x": 1.0}))  # only the writer wants these
+        assert bus.flush(timeout=30)
+        assert bus.flush(timeout=30)  # and the stop the sidecar published back meanwhile
+        side = bus.stats().sidecar
+        assert side is not None
+        assert side.alive
+        assert side.pid != os.getpid()
+        assert psutil.Process(side.pid).ppid() == os.getpid()
+        assert psutil.Process(side.pid).nice() == min(19, os.nice(0) + 10)  # yields the CPU
+        assert side.spawn_s is not None
+        assert 0 < side.spawn_s < 60
+        assert side.sent_events == 2 * n + 1  # each sent once, whoever wants it; and the stop
+    st = bus.stats()
+    for h in (a, b):
+        s = st[h.name]  # type: ignore[index]
+        assert (s.published, s.delivered, s.failed, s.dropped, s.queued) == (n, n, 0, 0, 0)
+        assert s.state == "closed"
+    assert steps_in(tmp_path / "a") == steps_in(tmp_path / "b") == list(range(n))
+    pids = {int((tmp_path / f"pid{k}").read_text()) for k in (1, 2)}
+    assert pids == {side.pid}  # all in the one sidecar
+    assert bus.control.reason == "saw step 50"  # a stop requested there reaches us
+    stops = [e for e in seen.got if isinstance(e, StopRequested)]
+    assert [(e.source, e.step) for e in stops] == [("tally", 50)]  # its one control
+    lines = [json.loads(x) for x in writer.path.read_text().splitlines()]
+    assert sum(1 for x in lines if x["type"] == "Loss") == n
+    assert writer.stats().lines_written >= 2 * n + len(stops)  # its copy's own report
+    assert lines[-1]["bus"]["subscribers"]["second"]["delivered"] == n  # final counters
+    assert gone(side.pid, 10)  # it exits once closed
+
+
+def test_builtin_sinks_run_in_the_sidecar_unless_told_thread(
+    new_bus: NewBus, tmp_path: Path
+) -> None:
+    bus = new_bus()
+    bus.subscribe(JsonlWriter(tmp_path / "side"))
+    bus.subscribe(TensorBoardSink(tmp_path / "tb"))
+    bus.subscribe(JsonlWriter(tmp_path / "here"), placement="thread", name="here")
+    with bus:
+        bus.publish(Loss(step=1, value=2.0))
+    st = bus.stats()
+    assert st.sidecar is not None
+    assert st["jsonl"].delivered == st["tensorboard"].delivered == st["here"].delivered == 1
+    assert st.sidecar.sent_events == 1
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+def test_a_failure_there_is_counted_and_logged_here(
+    new_bus: NewBus, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    results = {}
+    for placement in ("thread", "process"):
+        bus = new_bus()
+        h = bus.subscribe(
+            Tally(str(tmp_path / placement), fail_on=10), placement=placement, max_batch=1
+        )
+        with caplog.at_level(logging.WARNING, logger="eventbus"), bus:
+            for i in range(40):
+                bus.publish(Loss(step=i, value=1.0))
+        results[placement] = h.stats()
+        assert steps_in(tmp_path / placement) == list(range(40))  # it goes on after failing
+    t, p = results["thread"], results["process"]
+    assert t is not None
+    assert p is not None
+    assert (p.failed, p.delivered, p.state) == (t.failed, t.delivered, t.state) == (1, 39, "closed")
+    assert p.error == t.error == "ValueError: bad step 10"
+    failed = [r.getMessage() for r in caplog.records if "subscriber failed" in r.getMessage()]
+    assert any("sidecar" in m and "Loss" in m for m in failed)  # the sidecar's log, shown here
+
+
+def test_import_path_and_state_dict_through_the_bus(new_bus: NewBus, tmp_path: Path) -> None:
+    bus = new_bus()
+    gate = tmp_path / "open"
+    gate.write_text("")
+    h = bus.subscribe(ProcessSubscriber("tests.process.subs:Gate", args=[str(gate)]), name="g")
+    with bus:
+        for i in range(7):
+            bus.publish(Loss(step=i, value=1.0))
+        assert bus.state_dict() == {"g": {"n": 7}}  # flushed first, then asked there
+        bus.load_state_dict({"g": {"n": 100}})
+        bus.publish(Loss(step=8, value=1.0))
+        assert bus.state_dict()["g"] == {"n": 101}
+        with pytest.raises(KeyError, match=r"no subscriber named 'nope'.*'g'"):
+            bus.load_state_dict({"nope": {}})
+    assert h.stats().delivered == 8  # type: ignore[union-attr]
+
+
+def test_a_subscriber_that_cannot_be_built_there_is_disabled(
+    new_bus: NewBus, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    bus = new_bus()
+    bad = bus.subscribe(ProcessSubscriber("tests.process.subs:broken_factory", args=["x"]))
+    good = bus.subscribe(Tally(str(tmp_path / "s")), placement="process")
+    with caplog.at_level(logging.ERROR, logger="eventbus"), bus:
+        for i in range(5):
+            bus.publish(Loss(step=i, value=1.0))
+    b, g = bad.stats(), good.stats()
+    assert b is not None
+    assert g is not None
+    assert b.state == "disabled"
+    assert "cannot build: no GPU here" in (b.error or "")
+    assert b.delivered == 0
+    assert (g.delivered, g.state) == (5, "closed")
+    assert any("building a sidecar subscriber failed" in r.getMessage() for r in caplog.records)
+
+
+def test_sidecar_death_is_counted_logged_and_it_restarts_appending(
+    new_bus: NewBus, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    bus = new_bus()
+    marker = tmp_path / "died"
+    bus.subscribe(DieOnce(str(marker), at=300), placement="process", max_batch=1)
+    writer = JsonlWriter(tmp_path / "log")
+    w = bus.subscribe(writer)
+    n = 1000
+    with caplog.at_level(logging.ERROR, logger="eventbus"), bus:
+        for i in range(n):
+            bus.publish(Loss(step=i, value=1.0))
+            if i == 300:  # the training thread never waits for the sidecar's death
+                assert bus.flush(timeout=30) in (True, False)
+        assert bus.flush(timeout=30)
+        side = bus.stats().sidecar
+    assert side is not None
+    assert side.restarts == 1
+    assert int(marker.read_text()) != side.pid  # a new sidecar took over
+    steps = [
+        json.loads(x)["step"]
+        for x in writer.path.read_text().splitlines()
+        if json.loads(x)["type"] == "Loss"
+    ]
+    assert steps == sorted(steps)  # appended, in order, never rewritten
+    assert steps[-1] == n - 1  # writing went on after the restart
+    st = bus.stats()[w.name]  # type: ignore[index]
+    missing = n - len(set(steps))
+    assert st.dropped >= missing  # every event it never wrote is counted
+    assert st.published == n
+    assert st.delivered + st.dropped + st.failed == n
+    assert bus.stats().sidecar.lost >= missing  # type: ignore[union-attr]
+    assert any("sidecar process died" in r.getMessage() for r in caplog.records)
+
+
+def test_large_events_are_bounded_in_bytes_before_backpressure(
+    new_bus: NewBus, tmp_path: Path
+) -> None:
+    mib = 1 << 20
+    bus = new_bus(inbox_max_bytes=8 * mib, queue_max_bytes=8 * mib)
+    gate = tmp_path / "open"
+    h = bus.subscribe(Gate(str(gate)), placement="process")
+    big = "x" * mib
+    done = threading.Event()
+
+    def train() -> None:
+        for i in range(200):  # 200 MiB: far more than the bounds hold (5 x 8 MiB)
+            bus.publish(BigText(step=i, data=big))
+        done.set()
+
+    with bus:
+        t = threading.Thread(target=train)
+        t.start()
+        assert not done.wait(3.0)  # backpressure: the publisher waits on the lossless Gate
+        side = bus.stats().sidecar
+        assert side is not None
+        assert side.in_flight_bytes <= 8 * mib + 2 * mib  # the window, and one batch
+        assert psutil.Process(side.pid).memory_info().rss < 200 * mib  # its bounded share
+        gate.write_text("")
+        t.join(120)
+        assert done.is_set()
+    assert h.stats().delivered == 200  # type: ignore[union-attr]
