@@ -350,6 +350,9 @@ class Bus(Variant):
         bus.subscribe(MemoryProfiler(snapshot_dir=d / "snapshots"))
         bus.subscribe(SpeedMonitor(every=10))
         self.bus = self.target.bus = bus.start()
+        # The sidecar starts at the first subscribe; in a run it overlaps the set-up, here
+        # the untimed open waits for it (as SummaryWriter's and W&B's set-up are untimed).
+        bus.flush(timeout=120)
         if self.watch_every is not None and self.watcher is None:
             from eventbus.torch import watch
 

@@ -42,7 +42,7 @@ from eventbus.stats import BusStats
 
 __all__ = ["Host", "SidecarHandle", "describe_error", "main"]
 
-STATUS_EVERY = 0.05  # seconds between counter reports to the parent (and on demand)
+STATUS_EVERY = 0.25  # seconds between counter reports to the parent (and on demand)
 
 
 class SidecarHandle:
@@ -157,6 +157,7 @@ class Host:
         self.handle.host_stats = self.bus.stats
         self.subs: dict[int, Subscription] = {}
         self.own: dict[str, Any] = {}  # subscribers with a `stats()` of their own, by name
+        self._unacked = 0  # bytes of batches taken in and not yet acknowledged
         self._main_imported = False
 
     def serve(self) -> None:
@@ -186,7 +187,11 @@ class Host:
                     inbox.put_sized(ev)
                 else:
                     inbox.put(ev)  # waits only while a lossless subscriber's queue is full
-            self._send(("ack", len(msg)))
+            with self._send_lock:  # acknowledged in bulk: one wake of the parent per ack
+                self._unacked += len(msg)
+                if self._unacked >= self.info["ack_bytes"]:
+                    self._send_locked(("ack", self._unacked))
+                    self._unacked = 0
         elif op == wire.ADD:
             self._add(pickle.loads(payload))
         elif op == wire.REMOVE:
@@ -275,11 +280,13 @@ class Host:
                 with contextlib.suppress(Exception):  # user code: its report is optional
                     own[name] = sub.stats()
             logs = self.logs.take()
-            status = ("status", self.bus.stats().subscribers, packed, requests, own, logs)
+            acked, self._unacked = self._unacked, 0
+            subs = self.bus.stats().subscribers
+            status = ("status", acked, subs, packed, requests, own, logs)
             try:
                 self._send_locked(status)
             except (pickle.PicklingError, TypeError, AttributeError):  # a stats() that won't pickle
-                self._send_locked((*status[:4], {}, logs))
+                self._send_locked((*status[:5], {}, logs))
 
     def _send(self, msg: tuple[Any, ...]) -> None:
         with self._send_lock:

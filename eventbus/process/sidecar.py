@@ -19,9 +19,12 @@ import os
 import pickle
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
+
+import anyio
 
 from eventbus.core.delivery import Delivery
 from eventbus.core.fork import call_after_fork
@@ -104,6 +107,7 @@ class Sidecar:
             "max_consecutive_failures": b.max_consecutive_failures,
             "restarted": restarted,
             "max_bytes": min(64 << 20, b.queue_max_bytes),
+            "ack_bytes": max(1, min(1 << 20, self.max_bytes_in_flight // 4)),
         }
 
     # -- subscribing (the caller's thread) -------------------------------------------------
@@ -144,33 +148,40 @@ class Sidecar:
 
     # -- the delivery's hooks (its worker thread) ------------------------------------------
 
-    def on_events(self, batch: list[Event]) -> None:
-        """Keep what sidecar subscribers want, pack it once, post it within the byte window."""
-        out = []
-        wanting, routes = self._wanting, self._routes
-        for ev in batch:
-            t = routes.get(type(ev))
-            if t is None:
-                t = wanting(type(ev))
-            if t:
-                out.append(ev)
-                for r in t:
-                    r.sent += 1
-                    if self.gave_up is not None:
-                        r.lost += 1  # no sidecar any more: counted, never silent
-        if not out or self.gave_up is not None:
+    async def on_events(self, batch: list[Event]) -> None:
+        """Keep what sidecar subscribers want, pack it once, post it within the byte window.
+
+        On the bus loop (no hand-over to a worker thread): it never blocks; it waits for room
+        in the window by sleeping, as backpressure."""
+        counts = Counter(map(type, batch))  # per type, at C speed: no loop per event here
+        routes = {cls: self._routes.get(cls) or self._wanting(cls) for cls in counts}
+        out = batch if all(routes.values()) else [ev for ev in batch if routes[type(ev)]]
+        if not out:
             return
-        data = wire.BATCH + wire.pack(out)
+        data = wire.BATCH + wire.pack(out) if self.gave_up is None else b""
+        wanted = [(routes[cls], n) for cls, n in counts.items()]
+        while not self._post(data, len(out), wanted):
+            await anyio.sleep(_POLL_S / 10)  # backpressure: the sidecar acknowledges as it reads
+
+    def _post(self, data: bytes, n: int, wanted: list[tuple[tuple[Remote, ...], int]]) -> bool:
+        """Post a packed batch if the window has room, counting it for its subscribers (all
+        lost if the sidecar is gone for good); False: no room yet."""
         with self._cond:
-            while True:
-                chan = self.chan
-                if chan.in_flight == 0 or chan.in_flight + len(data) <= self.max_bytes_in_flight:
-                    break
-                self._cond.wait(_POLL_S)  # backpressure: the sidecar acknowledges as it reads
-            chan.in_flight += len(data)
-            chan.post(data)
-            self.sent_events += len(out)
-            self.sent_bytes += len(data)
+            chan = self.chan  # a new one after a restart: the batch goes there
+            gone = self.gave_up is not None
+            if not gone:
+                if chan.in_flight and chan.in_flight + len(data) > self.max_bytes_in_flight:
+                    return False
+                chan.in_flight += len(data)
+                chan.post(data)
+                self.sent_events += n
+                self.sent_bytes += len(data)
+            for remotes, k in wanted:  # under the lock: a death counts exactly what it lost
+                for r in remotes:
+                    r.sent += k
+                    if gone:
+                        r.lost += k  # no sidecar any more: counted, never silent
+            return True
 
     def on_flush(self) -> None:
         """Every sidecar subscriber handled what came before, and ran its `on_flush`."""
@@ -276,12 +287,15 @@ class Sidecar:
     def _status(  # noqa: PLR0917 - the message's fields, in order
         self,
         chan: Channel,
+        acked: int,
         stats: dict[str, SubscriberStats],
         packed: Any,
         reqs: Any,
         own: Any,
         logs: list[tuple[int, str]],
     ) -> None:
+        if acked:
+            self._ack(chan, acked)
         log = get_logger()
         for level, text in logs:  # the sidecar's diagnostics, logged here as ours
             log.log(level, "sidecar: " + text, sidecar_pid=chan.proc.pid)

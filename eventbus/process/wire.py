@@ -3,7 +3,8 @@
     parent -> sidecar   one byte + payload: S (start, once), A (add a subscriber), R (remove),
                         B (a batch of events, `pack`ed), F (flush), D (state), L (load), C (close)
     sidecar -> parent   pickled tuples: ("ready", s), ("ack", bytes), ("added", id, error),
-                        ("status", stats, events, requests), ("reply", request, error, value)
+                        ("status", bytes, stats, events, requests, own stats, log records),
+                        ("reply", request, error, value)
 
 Each event travels as (type name, field values); each type's field names travel once per
 batch. Pickle of plain tuples is ~2.5x cheaper than JSON lines to write and ~5x to read
@@ -85,6 +86,7 @@ class StartInfo(TypedDict):
     max_consecutive_failures: int | None
     restarted: bool  # a restart after a death: sinks append to their files, resume nothing
     max_bytes: int  # bound of the sidecar's inbox and of each queue, in bytes of big events
+    ack_bytes: int  # acknowledge batches taken in once they add up to this (or at a report)
 
 
 class AddInfo(TypedDict):
@@ -119,29 +121,42 @@ def _getter(cls: type[Event]) -> tuple[tuple[str, ...], Callable[[Event], Any]]:
 
 
 def pack(batch: Sequence[Event]) -> bytes:
-    """Events as bytes for the other side (`unpack`)."""
-    schema: dict[str, tuple[str, str, tuple[str, ...]]] = {}
-    rows = []
+    """Events as bytes for the other side (`unpack`): each type's names once, then rows of
+    (type index, field values)."""
+    index: dict[type, int] = {}
+    schema: list[tuple[str, str, tuple[str, ...]]] = []
+    getters: list[Callable[[Event], Any]] = []
+    rows: list[tuple[int, Any]] = []
+    append = rows.append
     for ev in batch:
         cls = type(ev)
-        names, get = _getter(cls)
-        tname = cls.__name__
-        if tname not in schema:
-            schema[tname] = (cls.__module__, tname, names)
-        rows.append((tname, get(ev)))
+        i = index.get(cls)
+        if i is None:
+            names, get = _getter(cls)
+            i = index[cls] = len(schema)
+            schema.append((cls.__module__, cls.__name__, names))
+            getters.append(get)
+        append((i, getters[i](ev)))
     return dumps((schema, rows))
 
 
 _BASE = ("step", "ts", "seq", "rank")
+_MAKERS: dict[tuple[str, str, tuple[str, ...]], Callable[[tuple[Any, ...]], Event]] = {}
 
 
 def unpack(data: bytes) -> list[Event]:
     """The events `pack` wrote; a type not known here becomes `UnknownEvent`."""
     schema, rows = pickle.loads(data)
-    makers: dict[str, Callable[[tuple[Any, ...]], Event]] = {}
-    for tname, (module, _, names) in schema.items():
-        makers[tname] = _maker(tname, module, names)
-    return [makers[t](values) for t, values in rows]
+    makers = []
+    for module, tname, names in schema:
+        key = (module, tname, names)
+        make = _MAKERS.get(key)
+        if make is None:
+            make = _maker(tname, module, names)
+            if make.__name__ != "unknown":  # a type not known yet may be registered later
+                _MAKERS[key] = make
+        makers.append(make)
+    return [makers[i](values) for i, values in rows]
 
 
 def _maker(tname: str, module: str, names: tuple[str, ...]) -> Callable[[tuple[Any, ...]], Event]:
@@ -154,6 +169,8 @@ def _maker(tname: str, module: str, names: tuple[str, ...]) -> Callable[[tuple[A
         cls = event_type(tname)
     if cls is not None and cls is not UnknownEvent:
         known = {f.name for f in dataclasses.fields(cls)}
+        if known == set(names) and not hasattr(cls, "__post_init__"):
+            return _setter(cls, names)
         if known.issuperset(names):
 
             def make(values: tuple[Any, ...], cls: type[Event] = cls) -> Event:
@@ -169,3 +186,15 @@ def _maker(tname: str, module: str, names: tuple[str, ...]) -> Callable[[tuple[A
         return UnknownEvent(type_name=tname, data=d, **base)
 
     return unknown
+
+
+def _setter(cls: type[Event], names: tuple[str, ...]) -> Callable[[tuple[Any, ...]], Event]:
+    """A function made for `cls` that fills a new event from its values: ~5x faster than
+    `cls(**dict(zip(names, values)))`. Every field is given, and the class has no
+    `__post_init__`: the sender built the event through its `__init__` already."""
+    targets = ", ".join(f"ev.{n}" for n in names) + ("," if len(names) == 1 else "")
+    src = f"def make(values):\n    ev = new(cls)\n    {targets} = values\n    return ev\n"
+    scope: dict[str, Any] = {"new": object.__new__, "cls": cls}
+    exec(compile(src, f"<eventbus.wire {cls.__qualname__}>", "exec"), scope)
+    make: Callable[[tuple[Any, ...]], Event] = scope["make"]
+    return make
