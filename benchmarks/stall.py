@@ -11,8 +11,8 @@ in blocks that rotate between the variants so drift cancels:
                 do it: `.item()`, SummaryWriter.add_scalar + flush per step, a JSON line
                 written and flushed, the divergence rule, an RSS read, the 50 ms sleep;
   (c') inline_nosleep: (c) without the sleep (what logging alone costs inline);
-  (b') eventbus_drain50: (b) with `drain_interval=0.05` instead of the default 20 ms (fewer,
-                larger batches: less bus-side work per step, 50 ms later to the sinks).
+  (b') eventbus_drain20: (b) with `drain_interval=0.02` instead of the default 50 ms (more,
+                smaller batches: more bus-side work per step, 30 ms sooner to the sinks).
 
 With `device="cuda"` the model runs on the GPU and every variant synchronises at the end of
 each step (so the step time includes the device's work); (c)'s `.item()` syncs mid-step.
@@ -44,7 +44,7 @@ __all__ = ["measure", "plot", "run"]
 
 SLEEP_S = 0.05
 WARMUP_STEPS = 5  # dropped at the start of every block (bus start-up, cold caches)
-VARIANTS = ("none", "eventbus", "inline", "inline_nosleep", "eventbus_drain50")
+VARIANTS = ("none", "eventbus", "inline", "inline_nosleep", "eventbus_drain20")
 
 
 class _Sleeper:
@@ -276,7 +276,7 @@ def _measure(
     slow_steps = max(WARMUP_STEPS + 3, steps // 3)
     tr = _Trainer(device)
     totals: dict[str, int] = {}
-    totals50: dict[str, int] = {}
+    totals20: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix="eventbus-bench-stall-") as d:
         tmp = Path(d)
         counter = iter(range(1_000_000))
@@ -295,14 +295,14 @@ def _measure(
             # 50+ ms a step: fewer steps per block keep the run short; its p50 is plain.
             "inline": lambda b: keep(_run_inline(tr, slow_steps, fresh(), sleep=True)),
             "inline_nosleep": lambda b: keep(_run_inline(tr, steps, fresh(), sleep=False)),
-            "eventbus_drain50": lambda b: keep(
-                _run_eventbus(tr, steps, fresh(), totals50, drain_interval=0.05)
+            "eventbus_drain20": lambda b: keep(
+                _run_eventbus(tr, steps, fresh(), totals20, drain_interval=0.02)
             ),
         }
         for fn in variants.values():  # warm-up: imports, allocator, first SummaryWriter
             fn(-1)
         totals.clear()
-        totals50.clear()
+        totals20.clear()
         per_block = interleave_blocks(variants, blocks=blocks)
     samples = {name: flatten(b) for name, b in per_block.items()}
     out: dict[str, Any] = {}
@@ -322,7 +322,7 @@ def _measure(
     out["stall.torch_threads"] = torch_threads()
     out["stall.steps_per_variant"] = len(samples["none"])
     out["stall.blocks"] = blocks
-    for name, tot in (("eventbus", totals), ("eventbus_drain50", totals50)):
+    for name, tot in (("eventbus", totals), ("eventbus_drain20", totals20)):
         steps_b = tot.pop("steps", 0)
         cpu_us = tot.pop("bus_side_cpu_us", 0)
         for k, v in tot.items():
@@ -410,14 +410,14 @@ def plot(samples: dict[str, list[float]], path: str | os.PathLike[str], title: s
         "eventbus": "(b) eventbus, 6 subscribers",
         "inline": "(c) inline callbacks (peers)",
         "inline_nosleep": "(c') inline, without the 50 ms callback",
-        "eventbus_drain50": "(b') eventbus, drain_interval 50 ms",
+        "eventbus_drain20": "(b') eventbus, drain_interval 20 ms",
     }
     colors = {
         "none": "#444444",
         "eventbus": "#1f77b4",
         "inline": "#d62728",
         "inline_nosleep": "#ff9896",
-        "eventbus_drain50": "#17becf",
+        "eventbus_drain20": "#17becf",
     }
     ms = {k: np.asarray(v) * 1e3 for k, v in samples.items() if v}
     lo = min(float(v.min()) for v in ms.values())

@@ -3,10 +3,9 @@
 A small MLP steps every ~2 ms on one CPU thread (micro-batches accumulated per step, their
 number calibrated at start to reach ~2 ms) and publishes one small event per step.
 Blocks rotate between no bus at all, a running bus with 4 no-op subscribers, and the same
-with `drain_interval=0.005` (the old default: 4x more timer wakes); per-step wall time is
-compared (pooled
-p50/p99, and the median over adjacent block pairs). The bus
-thread drains on a timer (`drain_interval`, 20 ms) instead of being woken per event; the
+with `drain_interval=0.005` (an old default: 10x more timer wakes); per-step wall time is
+compared (pooled p50/p99, and the median over adjacent block pairs). The bus thread drains
+on a timer (`drain_interval`, 50 ms by default) instead of being woken per event; the
 `forced_wakeups` key counts the cross-thread wakes publish did make (0 expected).
 
     python -m benchmarks.wakeups [--quick]

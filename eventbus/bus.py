@@ -51,7 +51,8 @@ class EventBus:
     """A non-blocking bus: `publish` from the training loop, subscribers on a bus thread.
 
     Use `with EventBus() as bus:` (or `start()` / `close()`). `drain_interval`: how often the
-    bus thread wakes to route (each wake costs the loop a GIL hand-over). The inbox is bounded
+    bus thread wakes to route (each wake costs CPU and a GIL hand-over; 50 ms: a stop a
+    monitor requests reaches `should_stop` within about that). The inbox is bounded
     in events (`inbox_maxsize`) and bytes (`inbox_max_bytes`, events of 1 KiB or more), each
     queue in bytes (`queue_max_bytes`). `hang_timeout`: a lossless subscriber stuck in one call
     this long while its full queue holds the bus up is disabled (None: wait forever).
@@ -61,7 +62,7 @@ class EventBus:
     def __init__(
         self,
         *,
-        drain_interval: float = 0.02,
+        drain_interval: float = 0.05,
         inbox_maxsize: int = 65536,
         inbox_max_bytes: int = 256 << 20,
         queue_max_bytes: int = 256 << 20,

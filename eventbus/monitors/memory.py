@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
+import anyio
 import torch
 
 from eventbus.core import BusHandle
@@ -122,6 +123,7 @@ class MemoryProfiler:
         self._last_published: int | None = None
         self._run = RunMemory()
         self._coalesced = 0
+        self._dump_due: int | None = None  # OOMs counted in this batch, for a missed dump
         # Decided once, here, on the constructing (training) thread: its current device is the
         # one to watch, and history recording must run before the first step can OOM.
         self._decide_cuda()
@@ -149,8 +151,18 @@ class MemoryProfiler:
                 device=str(self._device_arg),
             )
 
-    def on_events(self, batch: list[Event]) -> None:
-        """Read memory for the newest step (and phase) events; publish samples and leaks."""
+    async def on_events(self, batch: list[Event]) -> None:
+        """Read memory for the newest step (and phase) events; publish samples and leaks.
+
+        On the bus loop: a reading is host-side counters (a /proc read, the allocator's
+        statistics), tens of microseconds, cheaper than waking a worker thread for it; the
+        rare snapshot dump after a missed OOM runs in a thread."""
+        self._scan(batch)
+        ooms, self._dump_due = self._dump_due, None
+        if ooms is not None:
+            await anyio.to_thread.run_sync(self._maybe_dump_missed_oom, ooms)
+
+    def _scan(self, batch: list[Event]) -> None:
         last_step_i = max((i for i, ev in enumerate(batch) if type(ev) is StepEnded), default=-1)
         last_i = len(batch) - 1
         for i, ev in enumerate(batch):
@@ -223,7 +235,7 @@ class MemoryProfiler:
     ) -> None:
         self._run.add(r)
         if r.ooms:
-            self._maybe_dump_missed_oom(r.ooms)
+            self._dump_due = r.ooms  # dumped off the loop, after this batch
         if source is not None and due(r.step, self._last_published, self.every):
             self._last_published = r.step
             self._publish_sample(r, source=source, lag_s=lag_s, phases=phases)

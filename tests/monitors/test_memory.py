@@ -9,6 +9,7 @@ import random
 import time
 from typing import Any
 
+import anyio
 import psutil
 import pytest
 import torch
@@ -267,10 +268,10 @@ def test_steps_in_one_batch_are_read_once_for_the_newest() -> None:
     prof = MemoryProfiler()
     prof.on_start(bus)
     now = time.time_ns()
-    prof.on_events([StepEnded(step=s, ts=now) for s in range(1, 6)])
+    anyio.run(prof.on_events, [StepEnded(step=s, ts=now) for s in range(1, 6)])
     steps = [e.step for e in bus.got if isinstance(e, MemorySample)]
     assert steps == [5]
-    prof.on_events([StepEnded(step=6, ts=now - 1_000_000_000)])
+    anyio.run(prof.on_events, [StepEnded(step=6, ts=now - 1_000_000_000)])
     last = bus.got[-1]
     assert isinstance(last, MemorySample)
     assert last.step == 6
@@ -289,7 +290,7 @@ def test_phase_events_without_cuda_publish_no_phase_samples() -> None:
             OptimizerStepped(step=s),
             StepEnded(step=s),
         ):
-            prof.on_events([ev])
+            anyio.run(prof.on_events, [ev])
     assert [e.phase for e in bus.got if isinstance(e, MemorySample)] == ["step"] * 3
 
 
@@ -389,9 +390,9 @@ def test_cuda_phase_and_step_peaks_reset_every_step(monkeypatch: pytest.MonkeyPa
         for cls, mb in ((ForwardEnded, 16), (BackwardEnded, 48)):
             fake.alloc(mb)
             fake.alloc(-mb)
-            prof.on_events([cls(step=step)])  # handled alone: the read is this phase's
+            anyio.run(prof.on_events, [cls(step=step)])  # handled alone: the read is this phase's
         fake.alloc(1)  # a 1 MB leak a step
-        prof.on_events([StepEnded(step=step)])
+        anyio.run(prof.on_events, [StepEnded(step=step)])
     by = {(e.step, e.phase): e for e in bus.got if isinstance(e, MemorySample)}
     base = by[(5, "step")].allocated_mb
     assert base is not None

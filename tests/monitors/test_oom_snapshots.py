@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
@@ -80,7 +81,7 @@ def test_cuda_oom_is_dumped_once_and_published(
     assert len(saved) == 1
     assert saved[0].reason == "oom"
     assert list(tmp_path.iterdir()) == [tmp_path / saved[0].path.rsplit("/", 1)[-1]]
-    prof.on_events([StepEnded(step=1)])  # the OOM counter is seen again: no second dump
+    anyio.run(prof.on_events, [StepEnded(step=1)])  # the OOM counter is seen again: no second dump
     prof.on_close()
     assert len([e for e in bus.got if isinstance(e, MemorySnapshotSaved)]) == 1
     assert fake.recording[-1] == {"enabled": None}  # recording stopped at close
