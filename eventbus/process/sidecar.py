@@ -193,8 +193,10 @@ class Sidecar:
         if self.gave_up is None:
             with contextlib.suppress(RemoteError):
                 parent = self.bus._loop.stats(self.bus._deliveries)  # final but for us
-                left = self.bus._loop.deadline - time.monotonic()  # the bus's close deadline
-                hung = self.request(wire.CLOSE, (max(0.1, min(left, 1e6) - 0.2), parent))
+                # The bus's close deadline, less a margin for the answer to come back: a
+                # sidecar subscriber that hangs is then abandoned there, and named.
+                left = min(self.bus._loop.deadline - time.monotonic(), 1e6)
+                hung = self.request(wire.CLOSE, (max(0.1, left - max(0.5, left / 10)), parent))
                 for name in hung or ():
                     get_logger().error("sidecar subscriber hung at close", subscriber=name)
         self.release()
