@@ -276,7 +276,8 @@ class EventBus:
                 raise RuntimeError("flush() would deadlock when called from a subscriber")
             marker = Flush()
             self._inbox.put_control(marker)
-        return marker.done.wait(self.close_timeout if timeout is None else timeout)
+        done = marker.done.wait(self.close_timeout if timeout is None else timeout)
+        return done and marker.ok
 
     def close(self, timeout: float | None = None) -> BusStats:
         """Drain every subscriber, call their `on_close`, stop the thread; idempotent.

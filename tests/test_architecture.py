@@ -87,6 +87,7 @@ LAYERS: dict[str, str] = {
     "eventbus.process.errors": CORE,
     "eventbus.process.proxy": CORE,
     "eventbus.process.remote": CORE,
+    "eventbus.process.reports": FACADE,  # the sidecar's reader side
     "eventbus.process.sidecar": FACADE,  # the bus's process: it drives the bus's parts
     "eventbus.process.spawn": CORE,
     "eventbus.process.wire": CORE,

@@ -72,12 +72,14 @@ class Detach:
 
 
 class Flush:
-    """Done when every subscriber handled what was published before it."""
+    """Done when every subscriber handled what was published before it; `ok` False if a
+    subscriber's `on_flush` raised (its output may not be where it should be)."""
 
-    __slots__ = ("done", "remaining")
+    __slots__ = ("done", "ok", "remaining")
 
     def __init__(self) -> None:
         self.done = threading.Event()
+        self.ok = True
         self.remaining = 0
 
     def one_done(self) -> None:

@@ -217,8 +217,8 @@ class Router:
 
     async def _flushed(self, d: Delivery, marker: Flush) -> None:
         try:
-            if d.state is State.RUNNING:
-                await d.call_hook("on_flush")
+            if d.state is State.RUNNING and not await d.call_hook("on_flush"):
+                marker.ok = False
         finally:
             marker.one_done()
 

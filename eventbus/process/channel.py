@@ -31,6 +31,9 @@ class Channel:
         self.t0 = time.time()
         self.proc, self.conn = spawn.launch(name, self.t0)
         self.finalizer = weakref.finalize(self, spawn.kill, self.proc)
+        # Only when collected, never at interpreter exit: the bus's own exit hook closes the
+        # sidecar in order (its events drained), and may run after this one would have.
+        self.finalizer.atexit = False
         self.out: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self.in_flight = 0  # bytes of batches posted and not yet acknowledged
         self.dead: str | None = None

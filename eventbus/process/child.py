@@ -31,18 +31,21 @@ from typing import Any
 from eventbus.bus import EventBus
 from eventbus.control import Control
 from eventbus.core.inbox import BIG, publisher
-from eventbus.core.sizing import QUICK, quick_check
+from eventbus.core.sizing import QUICK, not_an_event, published_twice, quick_check
 from eventbus.core.subscription import Subscription
 from eventbus.core.worker import worker_name
 from eventbus.events import Event, StopRequested
 from eventbus.loader import load_object
-from eventbus.log import LOGGER_NAME, get_logger
+from eventbus.log import LOGGER_NAME, RateLimiter, get_logger
 from eventbus.process import spawn, wire
 from eventbus.stats import BusStats
 
 __all__ = ["Host", "SidecarHandle", "describe_error", "main"]
 
 STATUS_EVERY = 0.25  # seconds between counter reports to the parent (and on demand)
+HELD = 32_768  # events the sidecar's subscribers published, held for the parent at most
+CHUNK = 4096  # of those, sent per message
+_storm_log = RateLimiter(10.0)
 
 
 class SidecarHandle:
@@ -59,6 +62,7 @@ class SidecarHandle:
         self._wake = wake
         self._lock = threading.Lock()
         self._published: list[Event] = []
+        self.dropped = 0  # published beyond HELD before the parent took them: a storm
         self._requests: list[StopRequested] = []
         # The one Control class: the StopRequested events it publishes are the requests the
         # parent replays on its own control (which publishes them on the bus).
@@ -67,12 +71,29 @@ class SidecarHandle:
     def publish(self, ev: Event) -> None:
         """Queue `ev` for the parent bus (sent within a status interval)."""
         if not isinstance(ev, Event):
-            raise TypeError(f"publish() takes an eventbus Event, got {type(ev).__qualname__}")
+            raise not_an_event(ev)
+        if ev.seq is not None:  # as the training process's bus would say, to the subscriber
+            raise published_twice(ev)
         if ev.ts is None:
             ev.ts = time.time_ns()
         with self._lock:
-            self._published.append(ev)
+            if len(self._published) >= HELD:  # a storm: bounded, as a bus side's share is
+                self.dropped += 1
+                drop = True
+            else:
+                self._published.append(ev)
+                drop = False
         self._wake.set()
+        if drop:
+            ok, held = _storm_log.allow("storm")
+            if ok:
+                get_logger().error(
+                    "feedback storm in the sidecar: a subscriber publishes faster than the "
+                    "training process takes its events; dropped",
+                    event_type=type(ev).__name__,
+                    dropped=self.dropped,
+                    suppressed_since_last=held,
+                )
 
     def _request(self, ev: StopRequested) -> None:
         if ev.source is None:  # the asking subscriber: its worker thread, or its loop task
@@ -266,15 +287,12 @@ class Host:
     def _send_status(self) -> None:
         with self._send_lock:  # one status at a time: its events stay in publishing order
             published, requests = self.handle.take()
-            try:
-                packed = wire.pack(published) if published else None
-            except BaseException as e:  # a field that won't pickle: counted by the parent
-                get_logger().error(
-                    "sidecar: events its subscribers published could not be sent; lost",
-                    lost=len(published),
-                    error=f"{type(e).__name__}: {e}",
-                )
-                packed = None
+            while len(published) > CHUNK:  # a burst: in several messages, in order
+                chunk, published = published[:CHUNK], published[CHUNK:]
+                packed = _packed(chunk)
+                if packed is not None:
+                    self._send_locked(("status", 0, {}, packed, [], {}, []))
+            packed = _packed(published) if published else None
             own = {}
             for name, sub in list(self.own.items()):
                 with contextlib.suppress(Exception):  # user code: its report is optional
@@ -296,6 +314,20 @@ class Host:
         data = wire.dumps(msg)
         with contextlib.suppress(OSError):  # the parent is gone: we still drain and close
             self.conn.send_bytes(data)
+
+
+def _packed(events: list[Event]) -> bytes | None:
+    """Events published here, packed for the parent; None (logged, counted) if one of them
+    holds a field pickle refuses: then none of these reach the parent."""
+    try:
+        return wire.pack(events)
+    except Exception as e:
+        get_logger().error(
+            "sidecar: events its subscribers published could not be sent; lost",
+            lost=len(events),
+            error=f"{type(e).__name__}: {e}",
+        )
+        return None
 
 
 def build(target: wire.Target) -> Any:

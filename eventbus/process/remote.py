@@ -29,6 +29,7 @@ class Remote:
         self.lost = 0  # of those, never reported handled by a sidecar that died
         self.base = _Counts()  # what earlier (dead) sidecars reported handled
         self.last: SubscriberStats | None = None  # the live sidecar's latest report
+        self.off: str | None = None  # why the parent stopped sending to it (counted lost)
         self.own: Any = None  # the subscriber's own `stats()`, as last reported
 
     def add_info(self) -> bytes:

@@ -1,10 +1,10 @@
 """`Sidecar`: the bus's one child process, hosting every subscriber placed there.
 
-    bus thread                     sidecar's delivery (a worker thread)      sidecar process
+    bus thread (its loop)                                                    sidecar process
     router --> queue["sidecar"] --> on_events: keep what its subscribers    a bus of its own:
                                     want, pack the batch once, wait for     inbox, router,
                                     room in the byte window, post it  --->  queues, delivery
-    reader thread  <-- acks (the window), counters, events published, stop requests, replies
+    reader thread (`reports`) <-- acks, counters, events published, stop requests, replies
 
 The parent sees each sidecar subscriber as a `Remote`: its counters in `bus.stats()` are the
 sidecar's, plus what the parent sent that a dead sidecar never reported handled (counted
@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
+import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +29,6 @@ from eventbus.core.delivery import Delivery
 from eventbus.core.fork import call_after_fork
 from eventbus.core.subscriber import State, SubscribeOptions, unique_name
 from eventbus.core.subscription import Subscription
-from eventbus.core.worker import thread_state
 from eventbus.events import Event
 from eventbus.log import get_logger
 from eventbus.process import wire
@@ -38,7 +36,8 @@ from eventbus.process.channel import Channel
 from eventbus.process.errors import RemoteError
 from eventbus.process.proxy import ProcessSubscriber
 from eventbus.process.remote import Remote
-from eventbus.stats import BusStats, SidecarStats, SubscriberStats
+from eventbus.process.reports import Reports
+from eventbus.stats import BusStats, SidecarStats
 
 if TYPE_CHECKING:
     from eventbus.bus import EventBus
@@ -48,7 +47,7 @@ __all__ = ["Remote", "Sidecar"]
 _POLL_S = 0.05  # how often a waiting caller looks whether the sidecar still lives
 
 
-class Sidecar:
+class Sidecar(Reports):
     """The bus's child process for `placement="process"` subscribers; on the bus side, one
     lossless subscriber (named "sidecar") that forwards what its subscribers want."""
 
@@ -65,6 +64,8 @@ class Sidecar:
         self.sent_events = 0
         self.sent_bytes = 0
         self.gave_up: str | None = None
+        self.refused = 0  # events its subscribers published that our bus refused
+        self.hung: tuple[str, ...] = ()  # its subscribers abandoned at close
         self.closing = False
         self._routes: dict[type, tuple[Remote, ...]] = {}
         self._cond = threading.Condition()
@@ -124,6 +125,7 @@ class Sidecar:
                 self.chan.post(r.add_info())
             else:
                 r.state, r.error = State.DISABLED, self.gave_up
+                r.off = self.gave_up
         placed = getattr(sub, "placed_in_sidecar", None)
         if callable(placed):  # a built-in sink: its stats() read the sidecar copy's report
             placed(self.bus, lambda: r.own)
@@ -142,11 +144,12 @@ class Sidecar:
             t = self._routes[cls] = tuple(
                 r
                 for r in self.remotes.values()
-                if r.state in (State.PENDING, State.RUNNING) and issubclass(cls, r.events)
+                if r.state in (State.PENDING, State.RUNNING, State.DISABLED)
+                and issubclass(cls, r.events)
             )
         return t
 
-    # -- the delivery's hooks (its worker thread) ------------------------------------------
+    # -- the delivery's hooks (on_events on the bus loop; the others in its worker) ------
 
     async def on_events(self, batch: list[Event]) -> None:
         """Keep what sidecar subscribers want, pack it once, post it within the byte window.
@@ -155,21 +158,43 @@ class Sidecar:
         in the window by sleeping, as backpressure."""
         counts = Counter(map(type, batch))  # per type, at C speed: no loop per event here
         routes = {cls: self._routes.get(cls) or self._wanting(cls) for cls in counts}
-        out = batch if all(routes.values()) else [ev for ev in batch if routes[type(ev)]]
-        if not out:
+        if not any(routes.values()):
             return
-        data = wire.BATCH + wire.pack(out) if self.gave_up is None else b""
+        live = {cls: any(not r.off for r in rs) for cls, rs in routes.items()}
+        out = batch if all(live.values()) else [ev for ev in batch if live[type(ev)]]
+        data, bad = self._pack(out) if out and not self.closing else (b"", [])
         wanted = [(routes[cls], n) for cls, n in counts.items()]
-        while not self._post(data, len(out), wanted):
+        while not self._post(data, len(out) - len(bad), wanted, bad):
             await anyio.sleep(_POLL_S / 10)  # backpressure: the sidecar acknowledges as it reads
 
-    def _post(self, data: bytes, n: int, wanted: list[tuple[tuple[Remote, ...], int]]) -> bool:
-        """Post a packed batch if the window has room, counting it for its subscribers (all
-        lost if the sidecar is gone for good); False: no room yet."""
+    def _pack(self, out: list[Event]) -> tuple[bytes, list[Event]]:
+        """The batch packed once; an event that cannot cross (a field pickle refuses) is left
+        out, counted for each subscriber that wanted it (in `_post`) and logged."""
+        data, refused = wire.pack_each(out)
+        for ev, e in refused:
+            get_logger().error(
+                "an event cannot reach the sidecar: a field cannot be pickled; it is counted "
+                "dropped for the sidecar's subscribers",
+                event_type=type(ev).__name__,
+                step=ev.step,
+                error=f"{type(e).__name__}: {e}",
+            )
+        return (wire.BATCH + data if data else b""), [ev for ev, _ in refused]
+
+    def _post(
+        self,
+        data: bytes,
+        n: int,
+        wanted: list[tuple[tuple[Remote, ...], int]],
+        bad: list[Event],
+    ) -> bool:
+        """Post a packed batch if the window has room, counting it for its subscribers; what
+        cannot reach one (the sidecar closing or gone, the subscriber off, a field that would
+        not pickle) is counted lost for it. False: no room yet."""
         with self._cond:
             chan = self.chan  # a new one after a restart: the batch goes there
-            gone = self.gave_up is not None
-            if not gone:
+            gone = self.gave_up is not None or self.closing
+            if data and not gone:
                 if chan.in_flight and chan.in_flight + len(data) > self.max_bytes_in_flight:
                     return False
                 chan.in_flight += len(data)
@@ -179,13 +204,23 @@ class Sidecar:
             for remotes, k in wanted:  # under the lock: a death counts exactly what it lost
                 for r in remotes:
                     r.sent += k
-                    if gone:
-                        r.lost += k  # no sidecar any more: counted, never silent
+                    if gone or r.off:
+                        r.lost += k  # it never gets there: counted, never silent
+            for ev in bad if not gone else ():
+                for r in self._wanting(type(ev)):
+                    if not r.off:
+                        r.lost += 1
             return True
 
     def on_flush(self) -> None:
-        """Every sidecar subscriber handled what came before, and ran its `on_flush`."""
-        self.request(wire.FLUSH, self.bus.close_timeout)
+        """Every sidecar subscriber handled what came before, and ran its `on_flush`; raises
+        (so `bus.flush()` says False) when they did not within the bus's close timeout."""
+        if self.gave_up is not None:
+            return
+        if self.request(wire.FLUSH, self.bus.close_timeout) is False:
+            raise TimeoutError(
+                f"the sidecar's subscribers did not flush within {self.bus.close_timeout} s"
+            )
 
     def on_close(self) -> None:
         """Close the sidecar's bus (its subscribers drain and close), then let it exit."""
@@ -197,7 +232,8 @@ class Sidecar:
                 # sidecar subscriber that hangs is then abandoned there, and named.
                 left = min(self.bus._loop.deadline - time.monotonic(), 1e6)
                 hung = self.request(wire.CLOSE, (max(0.1, left - max(0.5, left / 10)), parent))
-                for name in hung or ():
+                self.hung = tuple(hung or ())
+                for name in self.hung:
                     get_logger().error("sidecar subscriber hung at close", subscriber=name)
         self.release()
 
@@ -238,95 +274,20 @@ class Sidecar:
             raise RemoteError(error)
         return value
 
-    # -- the reader thread -----------------------------------------------------------------
-
-    def read(self, chan: Channel) -> None:
-        """Handle what the sidecar sends until it closes; then its death, if unasked."""
-        thread_state.owner = self.bus._inbox  # bus side: publishing here never waits
-        handlers: dict[str, Callable[..., None]] = {
-            "ack": self._ack,
-            "status": self._status,
-            "added": self._added,
-            "ready": self._ready,
-        }
-        try:
-            while True:
-                msg = pickle.loads(chan.conn.recv_bytes())
-                if msg[0] == "reply":
-                    with self._cond:
-                        chan.replies[msg[1]] = (msg[2], msg[3])
-                        self._cond.notify_all()
-                else:
-                    handlers[msg[0]](chan, *msg[1:])
-        except (EOFError, OSError):
-            pass  # the sidecar exited (or shut its side): unasked, a death
-        except BaseException as e:  # a message we cannot read: the channel is unusable
-            get_logger().error("sidecar channel broken", error=f"{type(e).__name__}: {e}")
-        chan.finish()
-        self._died(chan)
-
-    def _ready(self, chan: Channel, spawn_s: float) -> None:
-        chan.spawn_s = spawn_s
-
-    def _ack(self, chan: Channel, nbytes: int) -> None:
-        with self._cond:
-            chan.in_flight -= nbytes
-            self._cond.notify_all()
-
-    def _added(self, chan: Channel, rid: int, error: str | None) -> None:
-        r = self.remotes[rid]
-        if error is None:
-            if r.state is State.PENDING:
-                r.state = State.RUNNING
-            return
-        r.state, r.error = State.DISABLED, error.splitlines()[0]
-        with self._cond:
-            self._routes.clear()
-        get_logger().error(
-            "building a sidecar subscriber failed; it is disabled", subscriber=r.name, error=error
-        )
-
-    def _status(  # noqa: PLR0917 - the message's fields, in order
-        self,
-        chan: Channel,
-        acked: int,
-        stats: dict[str, SubscriberStats],
-        packed: Any,
-        reqs: Any,
-        own: Any,
-        logs: list[tuple[int, str]],
-    ) -> None:
-        if acked:
-            self._ack(chan, acked)
-        log = get_logger()
-        for level, text in logs:  # the sidecar's diagnostics, logged here as ours
-            log.log(level, "sidecar: " + text, sidecar_pid=chan.proc.pid)
-        for r in self.remotes.values():
-            if r.name in own:
-                r.own = own[r.name]
-            s = stats.get(r.name)
-            if s is not None:
-                r.last = s
-                if r.state is not State.REMOVED or s.state in ("closed", "hung"):
-                    r.state = State(s.state)  # the sidecar's word (a removal it has not seen yet)
-        if packed is not None:
-            for ev in wire.unpack(packed):
-                self.bus.publish(ev)  # keeps the sidecar's ts; seq and rank are ours
-        control = self.bus.control
-        for q in reqs:
-            ask = control.request_abort if q.abort else control.request_stop
-            ask(q.reason, source=q.source, step=q.step)
-
     def _died(self, chan: Channel) -> None:
-        code = chan.proc.exitcode if not chan.proc.is_alive() else None
         with self._cond:
             chan.dead = chan.proc.why_dead(self.name, "its channel closed")
             self._cond.notify_all()
             if self.closing or chan is not self.chan:
                 return
+            # A channel that broke while its process lives: end that process first, so two
+            # sidecars never write the same files (SIGKILL: it ignores SIGTERM).
+            chan.proc.kill()
+            chan.proc.join(1.0)
+            code = chan.proc.exitcode
             lost = {r.name: n for r in self.remotes.values() if (n := r.died())}
             self.restarts += 1
-            again = self.restarts <= self.max_restarts
+            again = self.restarts <= self.max_restarts and not sys.is_finalizing()
             get_logger().error(
                 "the sidecar process died; training goes on"
                 + ("; restarting it" if again else "; no restarts left, its subscribers are off"),
@@ -343,6 +304,7 @@ class Sidecar:
                 for r in self.remotes.values():
                     if r.state in (State.PENDING, State.RUNNING):
                         r.state, r.error = State.DISABLED, self.gave_up
+                    r.off = r.off or self.gave_up
                 self._routes.clear()
 
     def merged(self, st: BusStats) -> BusStats:
@@ -350,7 +312,7 @@ class Sidecar:
         subs = dict(st.subscribers)
         for r in self.remotes.values():
             subs[r.name] = r.stats()
-        return replace(st, subscribers=subs, sidecar=self.stats())
+        return replace(st, subscribers=subs, sidecar=self.stats(), hung=st.hung + self.hung)
 
     def names(self) -> set[str]:
         """The names of its subscribers (for checkpoints)."""

@@ -40,6 +40,7 @@ __all__ = [
     "Target",
     "dumps",
     "pack",
+    "pack_each",
     "unpack",
 ]
 
@@ -138,6 +139,23 @@ def pack(batch: Sequence[Event]) -> bytes:
             getters.append(get)
         append((i, getters[i](ev)))
     return dumps((schema, rows))
+
+
+def pack_each(batch: list[Event]) -> tuple[bytes, list[tuple[Event, Exception]]]:
+    """`pack(batch)`, leaving out (and returning, with the error) each event pickle refuses;
+    b"" when none is left."""
+    try:
+        return pack(batch), []
+    except Exception:
+        good, refused = [], []
+        for ev in batch:
+            try:
+                pack([ev])
+            except Exception as e:
+                refused.append((ev, e))
+            else:
+                good.append(ev)
+        return (pack(good) if good else b""), refused
 
 
 _BASE = ("step", "ts", "seq", "rank")

@@ -1,0 +1,130 @@
+"""What comes back from the sidecar, handled on the reader thread: acknowledgements (the byte
+window), its subscribers' counters, log records, the events they published, their stop and
+abort requests, and the answers to requests. The channel's end, unasked, is a death.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from eventbus.core.subscriber import State
+from eventbus.core.worker import thread_state
+from eventbus.events import Event
+from eventbus.log import get_logger
+from eventbus.process import wire
+from eventbus.stats import SubscriberStats
+
+if TYPE_CHECKING:
+    from eventbus.bus import EventBus
+    from eventbus.process.channel import Channel
+    from eventbus.process.remote import Remote
+
+__all__ = ["Reports"]
+
+
+class Reports:
+    """The `Sidecar`'s reader side (a mixin: the state is the sidecar's)."""
+
+    bus: EventBus
+    remotes: dict[int, Remote]
+    refused: int
+    _cond: threading.Condition
+    _routes: dict[type, tuple[Remote, ...]]
+
+    def _died(self, chan: Channel) -> None:
+        raise NotImplementedError
+
+    def read(self, chan: Channel) -> None:
+        """Handle what the sidecar sends until it closes; then its death, if unasked."""
+        thread_state.owner = self.bus._inbox  # bus side: publishing here never waits
+        handlers: dict[str, Callable[..., None]] = {
+            "ack": self._ack,
+            "status": self._status,
+            "added": self._added,
+            "ready": self._ready,
+        }
+        try:
+            while True:
+                msg = pickle.loads(chan.conn.recv_bytes())
+                if msg[0] == "reply":
+                    with self._cond:
+                        chan.replies[msg[1]] = (msg[2], msg[3])
+                        self._cond.notify_all()
+                else:
+                    handlers[msg[0]](chan, *msg[1:])
+        except (EOFError, OSError):
+            pass  # the sidecar exited (or shut its side): unasked, a death
+        except BaseException as e:  # a message we cannot read: the channel is unusable
+            get_logger().error("sidecar channel broken", error=f"{type(e).__name__}: {e}")
+        chan.finish()
+        self._died(chan)
+
+    def _ready(self, chan: Channel, spawn_s: float) -> None:
+        chan.spawn_s = spawn_s
+
+    def _ack(self, chan: Channel, nbytes: int) -> None:
+        with self._cond:
+            chan.in_flight -= nbytes
+            self._cond.notify_all()
+
+    def _added(self, chan: Channel, rid: int, error: str | None) -> None:
+        r = self.remotes[rid]
+        if error is None:
+            if r.state is State.PENDING:
+                r.state = State.RUNNING
+            return
+        with self._cond:
+            r.state, r.error = State.DISABLED, error.splitlines()[0]
+            r.off = r.error  # from now on counted here, as dropped
+            r.died()  # what was sent to it before: never handled
+            self._routes.clear()
+        get_logger().error(
+            "building a sidecar subscriber failed; it is disabled", subscriber=r.name, error=error
+        )
+
+    def _status(  # noqa: PLR0917 - the message's fields, in order
+        self,
+        chan: Channel,
+        acked: int,
+        stats: dict[str, SubscriberStats],
+        packed: Any,
+        reqs: Any,
+        own: Any,
+        logs: list[tuple[int, str]],
+    ) -> None:
+        if acked:
+            self._ack(chan, acked)
+        log = get_logger()
+        for level, text in logs:  # the sidecar's diagnostics, logged here as ours
+            log.log(level, "sidecar: " + text, sidecar_pid=chan.proc.pid)
+        for r in self.remotes.values():
+            if r.name in own:
+                r.own = own[r.name]
+            s = stats.get(r.name)
+            if s is not None:
+                r.last = s
+                if r.state is not State.REMOVED or s.state in ("closed", "hung"):
+                    r.state = State(s.state)  # the sidecar's word (a removal it has not seen yet)
+        if packed is not None:
+            for ev in wire.unpack(packed):
+                try:
+                    self.bus.publish(ev)  # keeps the sidecar's ts; seq and rank are ours
+                except Exception as e:  # never the channel's end: counted and logged
+                    self._refused(ev, e)
+        control = self.bus.control
+        for q in reqs:
+            ask = control.request_abort if q.abort else control.request_stop
+            ask(q.reason, source=q.source, step=q.step)
+
+    def _refused(self, ev: Event, e: Exception) -> None:
+        self.refused += 1
+        get_logger().error(
+            "an event a sidecar subscriber published was refused here",
+            event_type=type(ev).__name__,
+            step=ev.step,
+            error=f"{type(e).__name__}: {e}",
+            refused=self.refused,
+        )
