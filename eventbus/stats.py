@@ -47,6 +47,8 @@ class SidecarStats:
     in_flight_bytes: int  # sent and not yet taken in by it (bounded: backpressure beyond)
     lost: int  # events sidecar subscribers never handled because a sidecar died (summed)
     error: str | None = None  # why it is gone for good, if it is
+    storm_dropped: int = 0  # events its subscribers published faster than we took them
+    refused: int = 0  # events its subscribers published that this bus refused (logged)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +97,10 @@ def log_close(st: BusStats) -> None:
     }
     alarming = (
         st.hung
-        or (st.sidecar is not None and (st.sidecar.lost or st.sidecar.error))
+        or (
+            st.sidecar is not None
+            and (st.sidecar.lost or st.sidecar.error or st.sidecar.storm_dropped)
+        )
         or st.rejected
         or st.feedback_dropped
         or st.error

@@ -38,6 +38,7 @@ class Channel:
         self.in_flight = 0  # bytes of batches posted and not yet acknowledged
         self.dead: str | None = None
         self.spawn_s: float | None = None
+        self.storm_dropped = 0  # what its subscribers published beyond what it holds for us
         self.replies: dict[int, tuple[str | None, Any]] = {}
         self.post(start)
         for add in adds:  # a restart rebuilds them all, in order

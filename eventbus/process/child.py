@@ -56,7 +56,7 @@ class SidecarHandle:
         self.rank = info["rank"]
         self.world_size = info["world_size"]
         self.local_rank = info["local_rank"]
-        self.restarted = info["restarted"]  # rebuilt after a death: append, do not reset
+        self.rebuilt: set[str] = set()  # subscribers rebuilt after a death, by name
         self.parent_stats: BusStats | None = None  # sent with the close
         self.host_stats: Callable[[], BusStats] = lambda: BusStats(0, 0, 0, 0, 0.0, 0)
         self._wake = wake
@@ -94,6 +94,12 @@ class SidecarHandle:
                     dropped=self.dropped,
                     suppressed_since_last=held,
                 )
+
+    @property
+    def restarted(self) -> bool:
+        """True for a subscriber rebuilt after its sidecar died (asked from its own hooks):
+        it appends to its files and resumes nothing."""
+        return (worker_name() or publisher.get()) in self.rebuilt
 
     def _request(self, ev: StopRequested) -> None:
         if ev.source is None:  # the asking subscriber: its worker thread, or its loop task
@@ -235,6 +241,8 @@ class Host:
                 spawn.import_main(*add["main"])
                 self._main_imported = True
             sub = build(add["target"])
+            if add["restarted"]:
+                self.handle.rebuilt.add(add["name"])
             if callable(getattr(sub, "stats", None)):
                 self.own[add["name"]] = sub
             events = pickle.loads(add["events"])
@@ -291,7 +299,7 @@ class Host:
                 chunk, published = published[:CHUNK], published[CHUNK:]
                 packed = _packed(chunk)
                 if packed is not None:
-                    self._send_locked(("status", 0, {}, packed, [], {}, []))
+                    self._send_locked(("status", 0, {}, packed, [], {}, [], self.handle.dropped))
             packed = _packed(published) if published else None
             own = {}
             for name, sub in list(self.own.items()):
@@ -300,11 +308,12 @@ class Host:
             logs = self.logs.take()
             acked, self._unacked = self._unacked, 0
             subs = self.bus.stats().subscribers
-            status = ("status", acked, subs, packed, requests, own, logs)
+            dropped = self.handle.dropped
+            status = ("status", acked, subs, packed, requests, own, logs, dropped)
             try:
                 self._send_locked(status)
             except (pickle.PicklingError, TypeError, AttributeError):  # a stats() that won't pickle
-                self._send_locked((*status[:5], {}, logs))
+                self._send_locked((*status[:5], {}, logs, dropped))
 
     def _send(self, msg: tuple[Any, ...]) -> None:
         with self._send_lock:

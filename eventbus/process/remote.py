@@ -30,9 +30,10 @@ class Remote:
         self.base = _Counts()  # what earlier (dead) sidecars reported handled
         self.last: SubscriberStats | None = None  # the live sidecar's latest report
         self.off: str | None = None  # why the parent stopped sending to it (counted lost)
+        self.remove_at: int | None = None  # removed: events from this seq on are not its
         self.own: Any = None  # the subscriber's own `stats()`, as last reported
 
-    def add_info(self) -> bytes:
+    def add_info(self, *, restarted: bool) -> bytes:
         info: wire.AddInfo = {
             "id": self.id,
             "name": self.name,
@@ -42,6 +43,7 @@ class Remote:
             "policy": self.policy,
             "maxsize": self.maxsize,
             "max_batch": self.max_batch,
+            "restarted": restarted,
         }
         return wire.ADD + wire.dumps(info)
 

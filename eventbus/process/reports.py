@@ -94,7 +94,9 @@ class Reports:
         reqs: Any,
         own: Any,
         logs: list[tuple[int, str]],
+        storm: int,
     ) -> None:
+        chan.storm_dropped = storm  # cumulative, in this sidecar
         if acked:
             self._ack(chan, acked)
         log = get_logger()

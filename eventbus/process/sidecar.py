@@ -15,6 +15,7 @@ sidecar is started (`max_restarts` times) with every subscriber rebuilt, appendi
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import sys
 import threading
@@ -65,9 +66,11 @@ class Sidecar(Reports):
         self.sent_bytes = 0
         self.gave_up: str | None = None
         self.refused = 0  # events its subscribers published that our bus refused
+        self.storm_base = 0  # storm drops of sidecars that died
         self.hung: tuple[str, ...] = ()  # its subscribers abandoned at close
         self.closing = False
         self._routes: dict[type, tuple[Remote, ...]] = {}
+        self._cut: int | None = None  # the first seq a removed subscriber no longer gets
         self._cond = threading.Condition()
         self._req = 0
         self._ids = 0
@@ -81,18 +84,21 @@ class Sidecar(Reports):
             max_consecutive_failures=None,
         )
         self.delivery.last = True  # closed after every in-process subscriber: it gets theirs
-        self.chan = self._launch(restarted=False)  # now: overlapped with the user's set-up
+        self.chan = self._launch()  # now: overlapped with the user's set-up
         bus._attach(self.delivery)
         call_after_fork(self.forget_after_fork)
 
-    def _launch(self, restarted: bool) -> Channel:
+    def _launch(self) -> Channel:
+        """A sidecar; after a death, with every subscriber it hosted rebuilt (appending)."""
         adds = [
-            r.add_info() for r in self.remotes.values() if r.state in (State.PENDING, State.RUNNING)
+            r.add_info(restarted=True)
+            for r in self.remotes.values()
+            if r.state in (State.PENDING, State.RUNNING)
         ]
-        start = wire.START + wire.dumps(self.start_info(restarted))
+        start = wire.START + wire.dumps(self.start_info())
         return Channel(self.name, start, adds, self.read)
 
-    def start_info(self, restarted: bool) -> wire.StartInfo:
+    def start_info(self) -> wire.StartInfo:
         b = self.bus
         hang = b._loop.router._hang_timeout
         return {
@@ -106,7 +112,6 @@ class Sidecar(Reports):
             # The sidecar finds its own hung subscriber before our router finds us waiting.
             "hang_timeout": None if hang is None else hang / 2,
             "max_consecutive_failures": b.max_consecutive_failures,
-            "restarted": restarted,
             "max_bytes": min(64 << 20, b.queue_max_bytes),
             "ack_bytes": max(1, min(1 << 20, self.max_bytes_in_flight // 4)),
         }
@@ -122,7 +127,7 @@ class Sidecar(Reports):
             self.remotes[r.id] = r
             self._routes.clear()
             if self.gave_up is None:
-                self.chan.post(r.add_info())
+                self.chan.post(r.add_info(restarted=False))
             else:
                 r.state, r.error = State.DISABLED, self.gave_up
                 r.off = self.gave_up
@@ -132,11 +137,24 @@ class Sidecar(Reports):
         return Subscription(r, self._remove)  # type: ignore[arg-type]
 
     def _remove(self, r: Any) -> None:
+        """Detach `r`: what was published before still reaches it (as in the bus, where the
+        detach travels through the inbox); the sidecar drops it once those are sent."""
         with self._cond:
             if r.state in (State.PENDING, State.RUNNING, State.DISABLED):
                 r.state = State.REMOVED
-                self._routes.clear()
-                self.chan.post(wire.REMOVE + wire.dumps(r.id))
+                r.remove_at = next(copy.copy(self.bus._seq))  # the next event's seq
+                self._cut = min(self._cut or r.remove_at, r.remove_at)
+
+    def _removed(self, upto: int | None) -> None:
+        """Removals whose events are all sent (up to seq `upto`; None: all): tell the sidecar."""
+        with self._cond:
+            for r in self.remotes.values():
+                if r.remove_at is not None and (upto is None or r.remove_at <= upto):
+                    r.remove_at = None
+                    self.chan.post(wire.REMOVE + wire.dumps(r.id))
+            pending = [r.remove_at for r in self.remotes.values() if r.remove_at is not None]
+            self._cut = min(pending, default=None)
+            self._routes.clear()
 
     def _wanting(self, cls: type) -> tuple[Remote, ...]:
         t = self._routes.get(cls)
@@ -144,7 +162,7 @@ class Sidecar(Reports):
             t = self._routes[cls] = tuple(
                 r
                 for r in self.remotes.values()
-                if r.state in (State.PENDING, State.RUNNING, State.DISABLED)
+                if (r.state in (State.PENDING, State.RUNNING, State.DISABLED) or r.remove_at)
                 and issubclass(cls, r.events)
             )
         return t
@@ -156,6 +174,14 @@ class Sidecar(Reports):
 
         On the bus loop (no hand-over to a worker thread): it never blocks; it waits for room
         in the window by sleeping, as backpressure."""
+        cut = self._cut
+        if cut is not None:  # a removal waits for what was published before it
+            i = next((k for k, ev in enumerate(batch) if (ev.seq or 0) >= cut), None)
+            if i is not None:
+                if i:
+                    await self.on_events(batch[:i])
+                self._removed(batch[i].seq)
+                batch = batch[i:]
         counts = Counter(map(type, batch))  # per type, at C speed: no loop per event here
         routes = {cls: self._routes.get(cls) or self._wanting(cls) for cls in counts}
         if not any(routes.values()):
@@ -217,6 +243,7 @@ class Sidecar(Reports):
         (so `bus.flush()` says False) when they did not within the bus's close timeout."""
         if self.gave_up is not None:
             return
+        self._removed(None)  # everything before the flush was sent
         if self.request(wire.FLUSH, self.bus.close_timeout) is False:
             raise TimeoutError(
                 f"the sidecar's subscribers did not flush within {self.bus.close_timeout} s"
@@ -224,6 +251,7 @@ class Sidecar(Reports):
 
     def on_close(self) -> None:
         """Close the sidecar's bus (its subscribers drain and close), then let it exit."""
+        self._removed(None)
         self.closing = True
         if self.gave_up is None:
             with contextlib.suppress(RemoteError):
@@ -286,6 +314,7 @@ class Sidecar(Reports):
             chan.proc.join(1.0)
             code = chan.proc.exitcode
             lost = {r.name: n for r in self.remotes.values() if (n := r.died())}
+            self.storm_base += chan.storm_dropped
             self.restarts += 1
             again = self.restarts <= self.max_restarts and not sys.is_finalizing()
             get_logger().error(
@@ -298,7 +327,7 @@ class Sidecar(Reports):
             )
             chan.stop()
             if again:
-                self.chan = self._launch(restarted=True)
+                self.chan = self._launch()
             else:
                 self.gave_up = f"the sidecar died {self.restarts} times"
                 for r in self.remotes.values():
@@ -330,4 +359,6 @@ class Sidecar(Reports):
             in_flight_bytes=chan.in_flight,
             lost=sum(r.lost for r in self.remotes.values()),
             error=self.gave_up,
+            storm_dropped=self.storm_base + chan.storm_dropped,
+            refused=self.refused,
         )

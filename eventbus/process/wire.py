@@ -85,7 +85,6 @@ class StartInfo(TypedDict):
     drain_interval: float
     hang_timeout: float | None
     max_consecutive_failures: int | None
-    restarted: bool  # a restart after a death: sinks append to their files, resume nothing
     max_bytes: int  # bound of the sidecar's inbox and of each queue, in bytes of big events
     ack_bytes: int  # acknowledge batches taken in once they add up to this (or at a report)
 
@@ -101,6 +100,7 @@ class AddInfo(TypedDict):
     policy: str
     maxsize: int
     max_batch: int
+    restarted: bool  # rebuilt after its sidecar died: append to its files, resume nothing
 
 
 def dumps(obj: Any) -> bytes:

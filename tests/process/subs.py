@@ -244,3 +244,22 @@ class WhereAmI:
 
     def on_events(self, batch: list[Event]) -> None:
         return None
+
+
+class Storm:
+    """Publishes `n` Scalars for every Loss it receives: a feedback storm from the sidecar."""
+
+    events = (Loss,)
+    policy = "block"
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.bus: Any = None
+
+    def on_start(self, bus: BusHandle) -> None:
+        self.bus = bus
+
+    def on_events(self, batch: list[Event]) -> None:
+        for ev in batch:
+            for _ in range(self.n):
+                self.bus.publish(Scalars(step=ev.step, values={"x": 1.0}))

@@ -19,7 +19,7 @@ from eventbus.events import Loss, Scalars, StopRequested
 from eventbus.process import ProcessSubscriber
 from eventbus.sinks import JsonlWriter, TensorBoardSink
 from tests.conftest import Recorder
-from tests.process.subs import BigText, DieOnce, Gate, Tally, WhereAmI, gone, steps_in
+from tests.process.subs import BigText, DieOnce, Gate, Storm, Tally, WhereAmI, gone, steps_in
 
 NewBus = Callable[..., EventBus]
 
@@ -230,3 +230,60 @@ def test_a_hung_sidecar_subscriber_never_holds_training_or_its_neighbours(
     assert st[other.name].state == "closed"  # type: ignore[index]
     assert st.sidecar is not None
     assert gone(st.sidecar.pid, 10)  # the sidecar exits, leaving the hung thread behind
+
+
+def test_remove_keeps_what_was_published_before_and_nothing_after(
+    new_bus: NewBus, tmp_path: Path
+) -> None:
+    bus = new_bus()
+    h = bus.subscribe(Tally(str(tmp_path / "s")), placement="process")
+    with bus:
+        for i in range(10):
+            bus.publish(Loss(step=i, value=1.0))
+        h.remove()  # as in the bus: the events before it are still its own
+        assert not h.active
+        for i in range(10, 20):
+            bus.publish(Loss(step=i, value=1.0))
+    assert steps_in(tmp_path / "s") == list(range(10))
+    s = bus.stats()[h.name]  # type: ignore[index]
+    assert (s.published, s.delivered, s.dropped, s.queued) == (10, 10, 0, 0)
+
+
+def test_after_a_restart_only_the_rebuilt_subscribers_append(
+    new_bus: NewBus, tmp_path: Path
+) -> None:
+    late = tmp_path / "late"
+    late.mkdir()
+    (late / "events.jsonl").write_text('{"type":"FromAnEarlierRun"}\n')
+    bus = new_bus()
+    bus.subscribe(DieOnce(str(tmp_path / "died"), at=3), placement="process", max_batch=1)
+    with bus:
+        for i in range(10):
+            bus.publish(Loss(step=i, value=1.0))
+        bus.flush(timeout=30)  # False: the sidecar died while flushing
+        assert bus.flush(timeout=30)
+        assert bus.stats().sidecar.restarts == 1  # type: ignore[union-attr]
+        bus.subscribe(JsonlWriter(late, overwrite=True))  # new: overwrite, as asked
+        bus.publish(Loss(step=10, value=1.0))
+    text = (late / "events.jsonl").read_text()
+    assert "FromAnEarlierRun" not in text
+    assert '"step":10' in text
+
+
+def test_a_storm_published_in_the_sidecar_is_bounded_and_counted(
+    new_bus: NewBus, tmp_path: Path
+) -> None:
+    bus = new_bus()
+    got = Recorder(events=[Scalars])
+    bus.subscribe(got, policy="block", maxsize=1_000_000)
+    bus.subscribe(Storm(60_000), placement="process", max_batch=1)
+    with bus:
+        for i in range(4):
+            bus.publish(Loss(step=i, value=1.0))
+        assert bus.flush(timeout=60)  # the storm happened; what came back is in our inbox
+        assert bus.flush(timeout=60)  # and delivered
+    st = bus.stats()
+    assert st.sidecar is not None
+    assert st.sidecar.storm_dropped > 0  # more than the sidecar holds for us: dropped there
+    lost_here = st.feedback_dropped  # and what our inbox refused from the bus side
+    assert len(got.got) + st.sidecar.storm_dropped + lost_here == 4 * 60_000  # all counted
