@@ -48,12 +48,15 @@ def measure(events: int) -> dict[str, Any]:
         rss0 = peak_rss_mb()
         publish = bus.publish
         bus.start()
+        bus.flush(timeout=120)  # the sidecar is up: a run overlaps its start with set-up
+        side0 = _sidecar_cpu_s(bus)
         t0 = time.perf_counter()
         for i in range(events):
             publish(Loss(step=i, value=i * 0.001))
         t_published = time.perf_counter()
         bus.flush(timeout=600)
         cpu = _thread_cpu_s()  # before close: the bus thread and the writer's worker still live
+        side = _sidecar_cpu_s(bus) - side0  # the sidecar process (the writer runs there)
         st = bus.close(timeout=600)
         t1 = time.perf_counter()
         lines = _count_lines(writer.path, "Loss")
@@ -78,8 +81,26 @@ def measure(events: int) -> dict[str, Any]:
         "throughput.cpu_us_per_event.bus_thread": round(cpu.get("eventbus", 0) / events * 1e6, 2),
         "throughput.cpu_us_per_event.jsonl_worker": round(
             cpu.get("eventbus-jsonl", 0) / events * 1e6, 2
+        ),  # 0 when the writer runs in the sidecar (the default): see .sidecar
+        "throughput.cpu_us_per_event.sidecar_senders": round(
+            sum(v for k, v in cpu.items() if k.startswith("eventbus-sidecar")) / events * 1e6, 2
         ),
+        "throughput.cpu_us_per_event.sidecar": round(side / events * 1e6, 2),
     }
+
+
+def _sidecar_cpu_s(bus: Any) -> float:
+    """CPU seconds the bus's sidecar process used so far (0 without one)."""
+    import psutil
+
+    side = bus.stats().sidecar
+    if side is None or side.pid is None:
+        return 0.0
+    try:
+        t = psutil.Process(side.pid).cpu_times()
+    except psutil.Error:
+        return 0.0
+    return float(t.user + t.system)
 
 
 def _thread_cpu_s() -> dict[str, float]:
