@@ -194,11 +194,11 @@ class EventBus:
             if self._state == _CLOSED:
                 raise RuntimeError("subscribe() on a closed bus: create a new EventBus")
             if o.placement == "process":  # the sidecar starts now: overlaps the user's set-up
-                if self._sidecar is None:
-                    from eventbus.process.sidecar import Sidecar  # loaded when asked
+                from eventbus.process.sidecar import Sidecar, spec_of  # loaded when asked
 
-                    self._sidecar = Sidecar(self)  # it attaches itself
-                return self._sidecar.subscribe(sub, o, name)
+                spec = spec_of(sub)  # a subscriber that cannot go there fails before a process
+                self._sidecar = self._sidecar or Sidecar(self)  # it attaches itself
+                return self._sidecar.subscribe(sub, spec, o, name)
             d = Delivery(
                 sub,
                 name=unique_name(name or describe(sub), self._names),

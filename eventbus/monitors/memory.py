@@ -130,6 +130,15 @@ class MemoryProfiler:
 
     # -- lifecycle ---------------------------------------------------------------------
 
+    def __reduce__(self) -> Any:
+        """Refused: it reads the memory of the process it runs in, so in the sidecar it would
+        report the sidecar's. Its samples reach the sidecar's sinks as any event does."""
+        raise TypeError(
+            "MemoryProfiler reads the memory of the process it runs in: keep it in the "
+            "training process (placement='thread', the default); its samples still reach "
+            "the sinks in the sidecar"
+        )
+
     def on_start(self, bus: BusHandle) -> None:
         """Keep the bus to publish on."""
         self._bus = bus

@@ -43,9 +43,14 @@ from eventbus.stats import BusStats, SidecarStats
 if TYPE_CHECKING:
     from eventbus.bus import EventBus
 
-__all__ = ["Remote", "Sidecar"]
+__all__ = ["Remote", "Sidecar", "spec_of"]
 
 _POLL_S = 0.05  # how often a waiting caller looks whether the sidecar still lives
+
+
+def spec_of(sub: Any) -> ProcessSubscriber:
+    """What the sidecar builds for `sub`; raises here if it cannot go there (unpicklable)."""
+    return sub if isinstance(sub, ProcessSubscriber) else ProcessSubscriber(sub)
 
 
 class Sidecar(Reports):
@@ -118,9 +123,10 @@ class Sidecar(Reports):
 
     # -- subscribing (the caller's thread) -------------------------------------------------
 
-    def subscribe(self, sub: Any, o: SubscribeOptions, name: str | None) -> Subscription:
-        """Place `sub` in the sidecar (built there from its pickle or import path)."""
-        spec = sub if isinstance(sub, ProcessSubscriber) else ProcessSubscriber(sub)
+    def subscribe(
+        self, sub: Any, spec: ProcessSubscriber, o: SubscribeOptions, name: str | None
+    ) -> Subscription:
+        """Place `sub` in the sidecar (built there as `spec_of(sub)` says)."""
         with self._cond:
             self._ids += 1
             r = Remote(self._ids, unique_name(name or spec.name, self.bus._names), spec, o)

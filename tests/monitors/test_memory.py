@@ -405,3 +405,11 @@ def test_cuda_phase_and_step_peaks_reset_every_step(monkeypatch: pytest.MonkeyPa
     leaks = [e for e in bus.got if isinstance(e, MemoryLeakSuspected)]
     assert [(e.metric, e.step) for e in leaks] == [("allocated_mb", 20)]
     assert leaks[0].rate_mb_per_step == pytest.approx(1.0)
+
+
+def test_placing_it_in_the_sidecar_is_refused_where_it_is_asked() -> None:
+    bus = EventBus()
+    with pytest.raises(TypeError, match=r"reads the memory of the process it runs in"):
+        bus.subscribe(MemoryProfiler(), placement="process")
+    assert bus.stats().sidecar is None  # refused before any process was started
+    bus.close()
