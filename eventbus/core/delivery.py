@@ -51,10 +51,8 @@ class Delivery:
         max_bytes: int = 1 << 30,
         key: Callable[[Event], Hashable] | None = None,
         max_consecutive_failures: int | None = 100,
-        report: bool = True,
     ) -> None:
         self.sub = sub
-        self.report = report  # log failures (a process child leaves that to its parent)
         self.last = False  # closed after the others (the sidecar: it gets what they publish)
         self.name = name
         self.events = events
@@ -76,8 +74,6 @@ class Delivery:
         self.lost_at_close = 0  # still in the inbox, routed nowhere, when the bus gave up
         self.consecutive_failures = 0
         self.last_error: str | None = None
-        self.first_failure: tuple[Event, BaseException] | None = None  # of the last batch
-        self.last_hook_error: BaseException | None = None
         self.in_flight = 0  # events of the call in progress
         self.lost_in_flight = 0  # the call in progress when the bus abandoned it
         self._abandoned = False
@@ -174,7 +170,6 @@ class Delivery:
         self._busy(type(batch[0]).__name__)
         self.in_flight = len(batch)
         self._batch_done = 0
-        self.first_failure = None
         try:
             if self.batched:
                 return await self._call_batch(batch)
@@ -264,30 +259,20 @@ class Delivery:
             if _own_cancellation(e):
                 raise
             self.last_error = f"{type(e).__name__}: {e}"
-            self.last_hook_error = e
             self._revoke(e)
-            if self.report:
-                get_logger().warning(
-                    "subscriber hook failed",
-                    subscriber=self.name,
-                    hook=hook,
-                    error=self.last_error,
-                    exc_info=e,
-                )
+            get_logger().warning(
+                "subscriber hook failed",
+                subscriber=self.name,
+                hook=hook,
+                error=self.last_error,
+                exc_info=e,
+            )
             if isinstance(e, SubscriberGone):
                 self.disable(self.last_error)
             return False
         finally:
             self.busy_since = self.busy_with = None
         return True
-
-    async def call_method(self, name: str, *args: Any) -> Any:
-        """Call another method of the subscriber (`state_dict`...) the same way; raises what
-        it raises. None when it has no such method."""
-        fn = getattr(self.sub, name, None)
-        if fn is None or not callable(fn) or not self.batched:
-            return None
-        return await self._call(fn, *args)
 
     def _busy(self, what: str) -> None:
         self.busy_since = time.monotonic()
@@ -310,9 +295,7 @@ class Delivery:
         self.failed += n
         self.consecutive_failures += 1
         self.last_error = f"{type(exc).__name__}: {exc}"
-        if self.first_failure is None:
-            self.first_failure = (ev, exc)
-        ok, held = _log_limit.allow((self.name, type(exc))) if self.report else (False, 0)
+        ok, held = _log_limit.allow((self.name, type(exc)))
         if ok:
             get_logger().warning(
                 "subscriber failed",

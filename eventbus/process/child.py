@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any
@@ -347,11 +347,10 @@ def build(target: wire.Target) -> Any:
     return load_object(spec)(*args, **kwargs)
 
 
-def describe_error(e: BaseException, events: Sequence[Event] = ()) -> str:
+def describe_error(e: BaseException) -> str:
     """An error as the parent reports it: type, message, the sidecar's traceback."""
     tb = "".join(traceback.format_exception(e)).rstrip()
-    where = f" (event type {type(events[0]).__name__}, step {events[0].step})" if events else ""
-    return f"{type(e).__name__}: {e}{where}\n--- sidecar traceback ---\n{tb}"
+    return f"{type(e).__name__}: {e}\n--- sidecar traceback ---\n{tb}"
 
 
 def _watch_parent(ppid: int, sock: socket.socket) -> None:

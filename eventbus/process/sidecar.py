@@ -149,7 +149,8 @@ class Sidecar(Reports):
             if r.state in (State.PENDING, State.RUNNING, State.DISABLED):
                 r.state = State.REMOVED
                 r.remove_at = next(copy.copy(self.bus._seq))  # the next event's seq
-                self._cut = min(self._cut or r.remove_at, r.remove_at)
+                cut = self._cut
+                self._cut = r.remove_at if cut is None else min(cut, r.remove_at)
 
     def _removed(self, upto: int | None) -> None:
         """Removals whose events are all sent (up to seq `upto`; None: all): tell the sidecar."""
@@ -168,7 +169,10 @@ class Sidecar(Reports):
             t = self._routes[cls] = tuple(
                 r
                 for r in self.remotes.values()
-                if (r.state in (State.PENDING, State.RUNNING, State.DISABLED) or r.remove_at)
+                if (
+                    r.state in (State.PENDING, State.RUNNING, State.DISABLED)
+                    or r.remove_at is not None
+                )
                 and issubclass(cls, r.events)
             )
         return t
@@ -189,7 +193,7 @@ class Sidecar(Reports):
                 self._removed(batch[i].seq)
                 batch = batch[i:]
         counts = Counter(map(type, batch))  # per type, at C speed: no loop per event here
-        routes = {cls: self._routes.get(cls) or self._wanting(cls) for cls in counts}
+        routes = {cls: self._wanting(cls) for cls in counts}
         if not any(routes.values()):
             return
         live = {cls: any(not r.off for r in rs) for cls, rs in routes.items()}
