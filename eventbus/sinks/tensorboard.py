@@ -166,14 +166,13 @@ class TensorBoardSink(BuiltFromArguments):
     # -- writing ------------------------------------------------------------------------------
 
     def _resume(self, step: int) -> None:
-        """Reopen with `purge_step=step + 1` (TensorBoard hides what was logged after it)."""
+        """Purge from `step + 1` on: TensorBoard hides what was logged after it."""
         purge = step + 1
         if self._purge_step == purge and not self._writers:
             return
-        self._purge_step = purge
-        writers, self._writers = self._writers, {}
-        for w in writers.values():
-            w.close()
+        self._purge_step = purge  # a writer opened from now on starts with it
+        for w in self._writers.values():
+            _purge(w, purge)
         for r, s in list(self._last_step.items()):
             self._last_step[r] = min(s, step)
 
@@ -319,6 +318,17 @@ def _texts(ev: Event, step: int) -> Iterator[tuple[str, str]]:
             yield "run/stop", f"**{kind}** at step {step} by {ev.source}: {ev.reason}"
         case RunEnded():
             yield "run/ended", f"**{ev.status}** at step {step}: {ev.reason or ''}"
+
+
+def _purge(writer: Any, step: int) -> None:
+    """What `SummaryWriter(purge_step=step)` writes first, written into an open file: a new
+    file would be read after the old one only if its name sorted later, and within one second
+    TensorBoard's names end in a counter that sorts "10" before "9"."""
+    from tensorboard.compat.proto.event_pb2 import Event as TBEvent
+    from tensorboard.compat.proto.event_pb2 import SessionLog
+
+    start = SessionLog(status=SessionLog.START)
+    writer.file_writer.add_event(TBEvent(step=step, session_log=start))
 
 
 def _code(obj: Any) -> str:

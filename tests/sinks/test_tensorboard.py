@@ -191,6 +191,25 @@ def test_checkpoint_loaded_and_load_state_dict_purge_too(tmp_path: Path) -> None
     assert _scalars(_read(tmp_path / "b"), "train/loss") == [(1, 1.0), (2, 1.0), (3, 1.0), (4, 9.0)]
 
 
+def test_a_resume_purges_whatever_tensorboards_file_counter_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resume within the second the run began: were it a new event file, its name would
+    end in ".10" after the first's ".9" and be read first, purging nothing."""
+    from tensorboard.summary.writer import event_file_writer
+
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(9))
+    _run(
+        tmp_path,
+        [
+            *(Loss(step=s, value=1.0) for s in range(1, 6)),
+            CheckpointLoaded(step=2, path="c.pt"),
+            *(Loss(step=s, value=3.0) for s in range(3, 5)),
+        ],
+    )
+    assert _scalars(_read(tmp_path), "train/loss") == [(1, 1.0), (2, 1.0), (3, 3.0), (4, 3.0)]
+
+
 def test_one_rank_writes_by_default(tmp_path: Path) -> None:
     assert TensorBoardSink.ranks == (0,)
     sink = TensorBoardSink(tmp_path)
