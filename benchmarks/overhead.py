@@ -197,6 +197,8 @@ def run(
     bus4.subscribe(_Slow(), name="slow")
     bus1 = EventBus(drain_interval=0.005)
     bus1.subscribe(_Fast())
+    bus1_nocost = EventBus(drain_interval=0.005, cost_every=None)  # the cost report's own cost
+    bus1_nocost.subscribe(_Fast())
 
     def build_and_publish(i: int) -> None:
         bus4.publish(Loss(step=i, value=0.5))
@@ -204,6 +206,7 @@ def run(
     contenders: dict[str, tuple[Callable[[int], Sequence[Any]], Callable[[Any], Any]]] = {
         "eventbus_publish": (_small_events, bus4.publish),
         "eventbus_publish_1sub": (_small_events, bus1.publish),
+        "eventbus_publish_1sub_nocost": (_small_events, bus1_nocost.publish),
         "eventbus_publish_tensor": (_tensor_events, bus4.publish),
         "eventbus_build_and_publish": (_steps, build_and_publish),
         "sync_list_4": (_small_events, _sync_list_contender()),
@@ -214,6 +217,7 @@ def run(
     bus_of = {
         "eventbus_publish": bus4,
         "eventbus_publish_1sub": bus1,
+        "eventbus_publish_1sub_nocost": bus1_nocost,
         "eventbus_publish_tensor": bus4,
         "eventbus_build_and_publish": bus4,
     }
@@ -223,7 +227,7 @@ def run(
         if bus is not None and not bus.flush(timeout=30):
             raise RuntimeError(f"{name}: the bus did not drain within 30 s")
 
-    with bus4, bus1:
+    with bus4, bus1, bus1_nocost:
         samples = interleave_calls(contenders, rounds=rounds, calls=calls, between=between)
         st4 = bus4.stats()
         route_ns = _bus_thread_ns_per_event(bus4, 20, calls)
@@ -240,6 +244,11 @@ def run(
         out["overhead.hf_callbackhandler_4_p50_ns"]
         / max(out["overhead.eventbus_publish_p50_ns"], 1.0),
         2,
+    )
+    out["overhead.cost_report_ns"] = round(
+        out["overhead.eventbus_publish_1sub_p50_ns"]
+        - out["overhead.eventbus_publish_1sub_nocost_p50_ns"],
+        1,
     )
     published4 = st4.published
     out["overhead.eventbus_bus_thread_cpu_ns_per_event"] = round(route_ns, 1)

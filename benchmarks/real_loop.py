@@ -27,6 +27,8 @@ added to it differs):
   eventbus_drain20, eventbus_drain100
                             eventbus with `drain_interval` 20 / 100 ms instead of 50 ms (each
                             wake of the bus thread costs CPU); run only when named;
+  eventbus_nocost           eventbus with `cost_every=None`: no cost report (its own cost is
+                            eventbus's overhead less this one's); run only when named;
   compiled_none, compiled_inline, compiled_eventbus, compiled_eventbus_watch50
                             the same loops with `torch.compile(model)` (default inductor);
                             for the watched one, `watch()` hooks the eager module (not the
@@ -97,7 +99,7 @@ COMPILED = (
     "compiled_eventbus_watch50",
 )
 # Asked for by name (`--variants`): the bus waking every 20 / 100 ms instead of 50 ms.
-EXTRA = ("eventbus_drain20", "eventbus_drain100")
+EXTRA = ("eventbus_drain20", "eventbus_drain100", "eventbus_nocost")
 VARIANTS = EAGER + COMPILED + EXTRA
 WATCH_EVERY = 50
 WARMUP_NUMBERS = (0, 1, 2, WATCH_EVERY, WATCH_EVERY + 1)  # two watched steps for every=50
@@ -334,9 +336,11 @@ class Bus(Variant):
         watch_every: int | None = None,
         histogram: bool = False,
         drain_interval: float = 0.05,
+        cost: bool = True,
     ) -> None:
         super().__init__(name, model, root)
         self.drain_interval = drain_interval
+        self.cost_every = 1000 if cost else None
         self.watch_every = watch_every
         self.histogram = histogram
         self.bus: Any = None
@@ -350,7 +354,7 @@ class Bus(Variant):
 
         d = self.block_dir()
         self.jsonl = d / "events.jsonl"
-        bus = EventBus(drain_interval=self.drain_interval)
+        bus = EventBus(drain_interval=self.drain_interval, cost_every=self.cost_every)
         bus.subscribe(JsonlWriter(self.jsonl))
         bus.subscribe(TensorBoardSink(d / "tb"))
         bus.subscribe(DivergenceDetector(action="warn"))
@@ -445,6 +449,8 @@ def _build(
             v = Wandb(name, shared, root)
         elif base == "eventbus":
             v = Bus(name, shared, root)
+        elif base == "eventbus_nocost":
+            v = Bus(name, shared, root, cost=False)
         elif base.startswith("eventbus_drain"):
             v = Bus(
                 name, shared, root, drain_interval=int(base.removeprefix("eventbus_drain")) / 1e3

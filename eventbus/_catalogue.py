@@ -52,6 +52,7 @@ _ORDER = (
     "TensorLayout",
     "DivergenceDetected",
     "StopRequested",
+    "BusCost",
 )
 
 

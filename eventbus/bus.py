@@ -23,6 +23,7 @@ from eventbus._compiling import compiling, teach_torch, traced_publish
 from eventbus.agreement import StopAgreement
 from eventbus.control import Control
 from eventbus.core.checkpoint import load_states, states
+from eventbus.core.cost import CostMeter, PublishClock
 from eventbus.core.delivery import Delivery
 from eventbus.core.fork import call_after_fork
 from eventbus.core.inbox import BIG, Attach, Detach, Flush, Inbox, InboxMode
@@ -52,11 +53,12 @@ class EventBus:
 
     Use `with EventBus() as bus:` (or `start()` / `close()`). `drain_interval`: how often the
     bus thread wakes to route (each wake costs CPU and a GIL hand-over; 50 ms: a stop a
-    monitor requests reaches `should_stop` within about that). The inbox is bounded
-    in events (`inbox_maxsize`) and bytes (`inbox_max_bytes`, events of 1 KiB or more), each
-    queue in bytes (`queue_max_bytes`). `hang_timeout`: a lossless subscriber stuck in one call
-    this long while its full queue holds the bus up is disabled (None: wait forever).
-    `handle_signals`: drain on SIGTERM, then run the handler that was there.
+    monitor requests reaches `should_stop` within about that). The inbox is bounded in events
+    (`inbox_maxsize`) and bytes (`inbox_max_bytes`, events of 1 KiB or more), each queue in
+    bytes (`queue_max_bytes`). `hang_timeout`: a lossless subscriber stuck in one call this
+    long while its full queue holds the bus up is disabled (None: wait forever).
+    `handle_signals`: drain on SIGTERM, then run the handler that was there. `cost_every`:
+    steps between `BusCost` events (the totals: `stats().cost`, `RunEnded.cost`; None: off).
     """
 
     def __init__(
@@ -74,6 +76,7 @@ class EventBus:
         world_size: int | None = None,
         name: str = "eventbus",
         stop_check_every: int = 1,
+        cost_every: int | None = 1000,
     ) -> None:
         positive("drain_interval", drain_interval, float)
         positive("close_timeout", close_timeout, float)
@@ -83,6 +86,8 @@ class EventBus:
         positive("queue_max_bytes", queue_max_bytes, int)
         positive("inbox_maxsize", inbox_maxsize, int, least=2)
         positive("stop_check_every", stop_check_every, int, least=1)
+        if cost_every is not None:
+            positive("cost_every", cost_every, int, least=1)
         info = rank_info()
         self.rank = info.rank if rank is None else rank
         self.local_rank = info.local_rank
@@ -96,12 +101,15 @@ class EventBus:
         self.control = Control(self.publish)
         if self.world_size > 1:  # should_stop agreed by all ranks (one small all_reduce)
             self.control.agree = StopAgreement(self.control, every=stop_check_every)
+        self._clock = PublishClock() if cost_every is not None else None
+        cpu = lambda: {n: s.cpu_s for n, s in self.stats().subscribers.items()}  # noqa: E731
         self._loop = BusLoop(
             Inbox(inbox_maxsize, inbox_max_bytes),
             self,
             name=name,
             interval=drain_interval,
             hang_timeout=hang_timeout,
+            cost=None if self._clock is None else CostMeter(self._clock, cost_every, cpu),
         )
         self._inbox = self._loop.inbox
         self._seq = itertools.count()
@@ -129,21 +137,26 @@ class EventBus:
             return traced_publish(self, ev)  # one ordered op in the graph: it publishes
         if ev.seq is not None:
             raise published_twice(ev)
+        t0 = _time_ns()  # the stamp, and where the cost report's timing starts
         if ev.ts is None:
-            ev.ts = _time_ns()
+            ev.ts = t0
         ev.seq = next(self._seq)  # itertools.count: atomic under the GIL
         ev.rank = self.rank
         check = QUICK.get(type(ev)) or quick_check(type(ev))
         text = check(ev)  # -1: a tensor or a container; else the length of its texts
-        if text < 0 or text >= BIG:  # capture, and count it against the byte bound
-            self._inbox.put_sized(ev)
-            return
         inbox = self._inbox
-        items = inbox.items
-        if len(items) < inbox.fast_limit:  # live and far from full: a bare append
-            items.append(ev)
+        if text < 0 or text >= BIG:  # capture, and count it against the byte bound
+            inbox.put_sized(ev)
+        elif len(inbox.items) < inbox.fast_limit:  # live and far from full: a bare append
+            inbox.items.append(ev)
         else:
             inbox.put(ev)
+        clock = self._clock
+        if clock is not None:  # the cost report: ~0.1 us
+            s = ev.step
+            if type(s) is int and s > clock.step:  # never compares a tensor: no sync
+                clock.roll(s, t0)
+            clock.ns += _time_ns() - t0
 
     async def apublish(self, ev: Event) -> None:
         """`publish` for async code: waits without blocking the caller's event loop."""
@@ -355,7 +368,7 @@ class EventBus:
         return self._state == _RUNNING and self._loop.alive
 
     def stats(self) -> BusStats:
-        """A snapshot of every counter: bus-wide and per subscriber."""
+        """A snapshot of every counter: bus-wide and per subscriber, and what the bus cost."""
         st = self._loop.stats(self._deliveries)
         return st if self._sidecar is None else self._sidecar.merged(st)
 

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 __all__ = [
     "BackwardEnded",
+    "BusCost",
     "CheckpointLoaded",
     "CheckpointSaved",
     "DivergenceDetected",
@@ -129,10 +130,14 @@ class RunStarted(Event):
 
 @dataclass(slots=True, kw_only=True)
 class RunEnded(Event):
-    """A run ended: `status` is "completed", "stopped", "aborted" or "failed"."""
+    """A run ended: `status` is "completed", "stopped", "aborted" or "failed".
+
+    `cost`: what the bus cost this run (`BusCost`'s totals), filled in by the bus.
+    """
 
     status: str = "completed"
     reason: str | None = None
+    cost: dict[str, Any] | None = None
 
 
 @dataclass(slots=True, kw_only=True)
@@ -313,6 +318,30 @@ class StopRequested(Event):
     reason: str = ""
     abort: bool = False
     source: str | None = None
+
+
+# -- the bus itself ----------------------------------------------------------------------
+
+
+@dataclass(slots=True, kw_only=True)
+class BusCost(Event):
+    """What the bus cost the training process so far (every `cost_every` steps, and at close).
+
+    `publish_s`: time spent inside `publish` (capture and backpressure included);
+    `publish_ms_p50`/`p99` per step and `step_ms_p50`, over recent steps; `share`: publish
+    time over step wall time; `bus_cpu_s`: the bus thread's CPU; `subscriber_cpu_s`: each
+    subscriber's CPU (in the sidecar process for those placed there).
+    """
+
+    steps: int = 0
+    publish_calls: int = 0
+    publish_s: float = 0.0
+    publish_ms_p50: float | None = None
+    publish_ms_p99: float | None = None
+    step_ms_p50: float | None = None
+    share: float | None = None
+    bus_cpu_s: float | None = None
+    subscriber_cpu_s: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True, kw_only=True)

@@ -8,7 +8,7 @@ from typing import Any
 
 from eventbus.log import get_logger
 
-__all__ = ["BusStats", "SidecarStats", "SubscriberStats", "log_close"]
+__all__ = ["BusStats", "CostStats", "SidecarStats", "SubscriberStats", "log_close"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +32,7 @@ class SubscriberStats:
     latency_max_ms: float | None
     error: str | None = None  # the last exception, as "Type: message"
     queued_bytes: int = 0  # bytes of the big events (1 KiB or more) in its queue now
+    cpu_s: float = 0.0  # CPU seconds its calls took (in the sidecar process, if placed there)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +53,25 @@ class SidecarStats:
 
 
 @dataclass(frozen=True, slots=True)
+class CostStats:
+    """What the bus cost the training process (`EventBus(cost_every=None)`: not measured).
+
+    A step is told from the next by the events' `step` field; the per-step figures are over
+    the last 4096 steps, `share` over every closed step.
+    """
+
+    steps: int  # steps seen
+    publish_calls: int
+    publish_s: float  # time spent inside publish (tensor capture and backpressure included)
+    publish_ms_p50: float | None  # publish time per step
+    publish_ms_p99: float | None
+    step_ms_p50: float | None  # wall time per step: first event to the next step's first
+    share: float | None  # publish time over step wall time
+    bus_cpu_s: float  # the bus thread's CPU (routing, packing for the sidecar, async subscribers)
+    bus_cpu_ms_per_step: float | None
+
+
+@dataclass(frozen=True, slots=True)
 class BusStats:
     """Bus-wide counters plus one `SubscriberStats` per subscriber, by name."""
 
@@ -68,6 +88,7 @@ class BusStats:
     inbox_bytes: int = 0  # bytes of the big events (1 KiB or more) waiting in the inbox
     error: str | None = None  # what killed the bus thread, if it died
     sidecar: SidecarStats | None = None  # the child process of placement="process", if any
+    cost: CostStats | None = None  # what the bus cost the training process
 
     def __getitem__(self, name: str) -> SubscriberStats:
         return self.subscribers[name]

@@ -42,7 +42,7 @@ def test_million_events_lossless_in_order_to_a_slower_subscriber() -> None:
 
     n = 1_000_000
     slow = Slow()
-    bus = EventBus(inbox_maxsize=4096)
+    bus = EventBus(inbox_maxsize=4096, cost_every=None)
     bus.subscribe(slow, max_batch=256)
     with bus:
         for i in range(n):
@@ -64,7 +64,7 @@ def test_drop_policies_count_every_event(policy: str) -> None:
         gate.wait(5)
         seen.append(ev)
 
-    bus = EventBus()
+    bus = EventBus(cost_every=None)
     h = bus.subscribe(slow, policy=policy, maxsize=50)
     with bus:
         for i in range(5000):
@@ -439,7 +439,7 @@ def test_full_inbox_with_only_lossy_subscribers_drops_and_counts_exactly() -> No
         time.sleep(0.0001)
         seen.append(ev)
 
-    bus = EventBus(inbox_maxsize=4, drain_interval=0.05)
+    bus = EventBus(inbox_maxsize=4, drain_interval=0.05, cost_every=None)
     h = bus.subscribe(slow, policy="drop_oldest", maxsize=8)
     n = 20_000
     with bus:

@@ -251,7 +251,7 @@ INTERRUPT_SCRIPT = SIGNAL_PRELUDE + textwrap.dedent(
                 threading.Event().wait()  # ... and never will be: this on_close is stuck
             super().on_close()
 
-    bus = EventBus()
+    bus = EventBus(cost_every=None)
     bus.subscribe(Writer(out_dir))
     try:
         if MODE == "in_with":
@@ -590,7 +590,7 @@ CULPRIT_SCRIPT = textwrap.dedent(
     def culprit(ev):
         sys.exit()  # a plain function subscriber that raises SystemExit on every event
 
-    bus = EventBus(inbox_maxsize=256)
+    bus = EventBus(inbox_maxsize=256, cost_every=None)
     bus.subscribe(JsonlWriter(sys.argv[1]))
     bus.subscribe(culprit)
     with bus:

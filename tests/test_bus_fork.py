@@ -27,7 +27,7 @@ FORK_SCRIPT = textwrap.dedent(
     out_dir, report_path = sys.argv[1:3]
     CHILD_STEP = 10**9  # the child's events carry steps from here: none may reach the file
 
-    bus = EventBus()
+    bus = EventBus(cost_every=None)
     bus.subscribe(JsonlWriter(out_dir))
     seen = []
     bus.subscribe(lambda ev: seen.append(ev.seq), policy="block")

@@ -17,6 +17,7 @@ from typing import Any
 
 from eventbus.cli._checks import MEMORY_FIELDS, as_float, check_event
 from eventbus.events import (
+    BusCost,
     DivergenceDetected,
     EvalEnded,
     Event,
@@ -133,6 +134,7 @@ class RunReport:
     skipped: int = 0
     run_started: RunStarted | None = None
     run_ended: RunEnded | None = None
+    bus_cost: BusCost | None = None  # the last one
     # (file, session: headers seen in it, rank) -> seq numbers seen
     seqs: dict[tuple[str, int, int], SeqCounter] = field(default_factory=dict)
     _sessions: dict[str, int] = field(default_factory=dict)
@@ -196,6 +198,8 @@ class RunReport:
             self.run_started = ev
         elif isinstance(ev, RunEnded):
             self.run_ended = ev
+        elif isinstance(ev, BusCost):
+            self.bus_cost = ev
         elif step is None:
             return
         elif isinstance(ev, Loss):

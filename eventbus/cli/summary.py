@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 
 from eventbus.cli._errors import no_events
+from eventbus.cli.cost import cost_dict, cost_lines
 from eventbus.cli.report import RunReport, collect
 from eventbus.events import DivergenceDetected, MemoryLeakSuspected, StopRequested
 from eventbus.logformat import log_files
@@ -115,6 +116,7 @@ def summary_dict(r: RunReport) -> dict[str, Any]:
         for d in r.detections
     ]
     out["peak_memory_mb"] = {k: max(v for _, v in pts) for k, pts in r.memory.items() if pts}
+    out["instrumentation_cost"] = cost_dict(r.stats_records, r.run_ended, r.bus_cost)
     return out
 
 
@@ -206,6 +208,7 @@ def summary_lines(r: RunReport) -> list[str]:
             "peak memory: "
             + ", ".join(f"{k.removesuffix('_mb')} {v:,.0f} MB" for k, v in mem.items())
         )
+    lines += cost_lines(d["instrumentation_cost"])
     return lines
 
 

@@ -50,6 +50,9 @@ RULES: dict[str, _Rule] = {
     "world_size": _Rule("an int >= 1", _int_from(1)),
     "name": _Rule("a non-empty string", lambda v: isinstance(v, str) and bool(v)),
     "stop_check_every": _Rule("an int >= 1", _int_from(1)),
+    "cost_every": _Rule(
+        "an int >= 1 (JSON null: no cost report)", lambda v: v is None or _int_from(1)(v)
+    ),
 }
 
 

@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Iterable
 from typing import Any
 
+from eventbus.core.cost import cpu_timed
 from eventbus.core.markers import Markers
 from eventbus.core.queue import SubscriberQueue
 from eventbus.core.subscriber import State, SubscriberGone, is_async, takes_argument
@@ -81,6 +82,7 @@ class Delivery:
         self.busy_since: float | None = None
         self.busy_with: str | None = None
         self.latencies: deque[float] = deque(maxlen=1024)
+        self.cpu_ns = 0  # CPU time of its async calls, on the loop (its worker counts the rest)
         self._markers = Markers()
 
     @property
@@ -243,7 +245,8 @@ class Delivery:
 
     async def _call_async(self, fn: Callable[..., Any], *args: Any) -> Any:
         """The frame the loop's watchdog looks for when the loop is blocked: it names us."""
-        return await fn(*args)
+        aw = fn(*args)
+        return await (cpu_timed(aw, self) if inspect.iscoroutine(aw) else aw)
 
     async def call_hook(self, hook: str, *args: Any) -> bool:
         """Call an optional hook (on_start, on_flush, on_close); False if it raised."""
@@ -357,6 +360,7 @@ class Delivery:
             latency_max_ms=lat[-1] if lat else None,
             error=self.last_error,
             queued_bytes=q.queued_bytes if q else 0,
+            cpu_s=(self.cpu_ns + self.worker.cpu_ns) / 1e9,
         )
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
+from eventbus.core.cost import CostMeter
 from eventbus.core.delivery import Delivery
 from eventbus.core.handle import BusHandle
 from eventbus.core.inbox import Inbox, publisher
@@ -47,8 +48,10 @@ class BusLoop:
         name: str,
         interval: float,
         hang_timeout: float | None = None,
+        cost: CostMeter | None = None,
     ) -> None:
         self.inbox = inbox
+        self.cost = cost  # what the bus costs the training process; None: not measured
         self.handle = handle
         self.name = name
         self.interval = interval
@@ -64,6 +67,9 @@ class BusLoop:
             waits=self.router.waits,
             drop=self.router.count_drop,
         )
+        if cost is not None:
+            self.router.run_ended = cost.fill
+            cost.published = self.published
         self.thread: threading.Thread | None = None
         self.thread_id: int | None = None
         self.error: BaseException | None = None  # what ended the loop, if not a close
@@ -154,14 +160,10 @@ class BusLoop:
 
     def stats(self, deliveries: Iterable[Delivery]) -> BusStats:
         """Every counter: the inbox's, the router's, and each subscriber's."""
-        inbox, router, error = self.inbox, self.router, self.error
+        inbox, error = self.inbox, self.error
         waiting = inbox.waiting()
         return BusStats(
-            published=router.routed
-            + router.lost
-            + inbox.dropped
-            + inbox.feedback_dropped
-            + waiting,
+            published=self.published(),
             rejected=inbox.rejected,
             inbox_size=waiting,
             inbox_high_water=inbox.high_water,
@@ -172,6 +174,14 @@ class BusLoop:
             feedback_dropped=inbox.feedback_dropped,
             inbox_bytes=inbox.nbytes,
             error=f"{type(error).__name__}: {error}" if error is not None else None,
+            cost=self.cost.stats() if self.cost is not None else None,
+        )
+
+    def published(self) -> int:
+        """Events accepted by publish: routed, dropped on the way, or waiting."""
+        inbox, router = self.inbox, self.router
+        return (
+            router.routed + router.lost + inbox.dropped + inbox.feedback_dropped + inbox.waiting()
         )
 
     def culprit(self) -> Delivery | None:
@@ -204,6 +214,8 @@ class BusLoop:
             )
             self._count_losses()
         finally:
+            if self.cost is not None:
+                self.cost.sample()  # the bus thread's CPU, all of it
             self.inbox.close()  # publishers never wait on a loop that is gone
             self._ready.set()
             self._done.set()
@@ -226,6 +238,8 @@ class BusLoop:
     async def _route_until_closing(self) -> None:
         while not self.router.closing:
             await self.router.drain()
+            if self.cost is not None:
+                self.cost.tick(self.handle.publish)
             if len(self.inbox):
                 await anyio.sleep(0)  # more arrived while routing: let subscribers run first
                 continue

@@ -9,10 +9,13 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 __all__ = ["ThreadWorker", "in_worker", "thread_state", "worker_name"]
+
+_cpu_ns = time.thread_time_ns  # ~0.5 us a read here: once per call, never per event
 
 
 class _ThreadState(threading.local):
@@ -55,6 +58,7 @@ class ThreadWorker:
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"eventbus-{name}", daemon=True)
         self._started = False
+        self.cpu_ns = 0  # CPU time of the calls it ran
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         if not self._started:
@@ -82,10 +86,12 @@ class ThreadWorker:
             if item is None:
                 return
             fn, args, loop, fut = item
+            t0 = _cpu_ns()
             try:
                 ok, value = True, fn(*args)
             except BaseException as e:  # SystemExit too: handed to the awaiting task, counted
                 ok, value = False, e
+            self.cpu_ns += _cpu_ns() - t0
             try:
                 loop.call_soon_threadsafe(_settle, fut, ok, value)
             except RuntimeError:  # the loop is gone: the bus closed without us

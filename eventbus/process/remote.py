@@ -76,14 +76,18 @@ class Remote:
             latency_max_ms=last.latency_max_ms if last else None,
             error=self.error or (last.error if last else None),
             queued_bytes=last.queued_bytes if last else 0,
+            cpu_s=c.cpu_s,
         )
 
 
 class _Counts:
     """Events handled: delivered, failed, dropped."""
 
-    def __init__(self, delivered: int = 0, failed: int = 0, dropped: int = 0) -> None:
+    def __init__(
+        self, delivered: int = 0, failed: int = 0, dropped: int = 0, cpu_s: float = 0.0
+    ) -> None:
         self.delivered, self.failed, self.dropped = delivered, failed, dropped
+        self.cpu_s = cpu_s  # CPU seconds, in the sidecars it ran in
 
     @property
     def handled(self) -> int:
@@ -91,4 +95,4 @@ class _Counts:
 
     def plus(self, s: SubscriberStats) -> _Counts:
         d, f, x = self.delivered + s.delivered, self.failed + s.failed, self.dropped + s.dropped
-        return _Counts(d, f, x)
+        return _Counts(d, f, x, self.cpu_s + s.cpu_s)

@@ -26,6 +26,7 @@ import orjson
 
 from eventbus.core import BusHandle
 from eventbus.events import (
+    BusCost,
     CheckpointLoaded,
     DivergenceDetected,
     EvalEnded,
@@ -56,6 +57,7 @@ _MEMORY_FIELDS = (
     "ooms",
 )
 _TENSOR_STATS = ("norm", "mean", "std", "absmax", "nan_count", "inf_count")
+_COST = ("publish_ms_p50", "publish_ms_p99", "step_ms_p50", "share", "bus_cpu_s", "publish_s")
 Scalar = tuple[str, float, int]  # tag, value, step
 
 
@@ -260,6 +262,9 @@ def _scalars(ev: Event, step: int, step_end: dict[int, int], rank: int) -> Itera
             yield from _named(((f, getattr(ev, f)) for f in _TENSOR_STATS), base, step)
         case DivergenceDetected():
             yield "divergence/marker", 1.0, step
+        case BusCost():
+            yield from _named(((f, getattr(ev, f)) for f in _COST), "eventbus/", step)
+            yield from _named(ev.subscriber_cpu_s.items(), "eventbus/cpu_s/", step)
 
 
 def _named(items: Iterable[tuple[str, Any]], prefix: str, step: int) -> Iterator[Scalar]:

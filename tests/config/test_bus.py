@@ -34,7 +34,7 @@ from tests.config.subs import write_toml
         (
             "drain_intervall = 1",
             "unknown option 'drain_intervall'.*did you mean 'drain_interval'"
-            ".*known options: close_timeout, drain_interval, handle_signals",
+            ".*known options: close_timeout, cost_every, drain_interval, handle_signals",
         ),
         ("bus = 1", "unknown option 'bus'"),
     ],

@@ -735,7 +735,7 @@ def test_many_threads_publish_while_subscribing_removing_flushing_and_closing() 
 @pytest.mark.timeout(120)
 def test_max_batch_1_with_100k_events() -> None:
     rec = Recorder()
-    bus = EventBus(drain_interval=0.002)
+    bus = EventBus(drain_interval=0.002, cost_every=None)
     bus.subscribe(rec, max_batch=1)
     with bus:
         for i in range(100_000):

@@ -56,7 +56,7 @@ def test_a_hung_lossless_subscriber_cannot_hold_training_forever() -> None:
             release.wait(60)
 
     rec = Recorder()
-    bus = EventBus(drain_interval=0.002, hang_timeout=0.5, inbox_maxsize=64)
+    bus = EventBus(drain_interval=0.002, hang_timeout=0.5, inbox_maxsize=64, cost_every=None)
     bus.subscribe(rec)
     hung = bus.subscribe(Hangs(), name="hung", maxsize=8, max_batch=1)
     done = threading.Event()

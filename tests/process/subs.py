@@ -263,3 +263,16 @@ class Storm:
         for ev in batch:
             for _ in range(self.n):
                 self.bus.publish(Scalars(step=ev.step, values={"x": 1.0}))
+
+
+class Burner:
+    """Pure-Python CPU work per event: `ms` of this process's thread CPU time."""
+
+    def __init__(self, ms: float) -> None:
+        self.ms = ms
+
+    def on_events(self, batch: list[Event]) -> None:
+        for _ in batch:
+            end = time.thread_time() + self.ms / 1e3
+            while time.thread_time() < end:
+                pass

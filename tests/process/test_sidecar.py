@@ -19,13 +19,23 @@ from eventbus.events import Loss, Scalars, StopRequested
 from eventbus.process import ProcessSubscriber
 from eventbus.sinks import JsonlWriter, TensorBoardSink
 from tests.conftest import Recorder
-from tests.process.subs import BigText, DieOnce, Gate, Storm, Tally, WhereAmI, gone, steps_in
+from tests.process.subs import (
+    BigText,
+    Burner,
+    DieOnce,
+    Gate,
+    Storm,
+    Tally,
+    WhereAmI,
+    gone,
+    steps_in,
+)
 
 NewBus = Callable[..., EventBus]
 
 
 def test_one_sidecar_hosts_every_process_subscriber(new_bus: NewBus, tmp_path: Path) -> None:
-    bus = new_bus()
+    bus = new_bus(cost_every=None)  # exact counts: no BusCost among them
     seen = Recorder(events=[StopRequested])
     bus.subscribe(seen)
     bus.subscribe(WhereAmI(str(tmp_path / "pid1")), placement="process")
@@ -287,3 +297,18 @@ def test_a_storm_published_in_the_sidecar_is_bounded_and_counted(
     assert st.sidecar.storm_dropped > 0  # more than the sidecar holds for us: dropped there
     lost_here = st.feedback_dropped  # and what our inbox refused from the bus side
     assert len(got.got) + st.sidecar.storm_dropped + lost_here == 4 * 60_000  # all counted
+
+
+def test_cpu_of_a_sidecar_subscriber_is_its_own_and_not_the_bus_threads(new_bus: NewBus) -> None:
+    """Issue 24: a subscriber burning 2 ms of CPU per event in the sidecar reports that CPU
+    (read from the sidecar), while the training process's bus thread spent far less."""
+    bus = new_bus()
+    bus.subscribe(Burner(2.0), placement="process", name="burner", events=[Loss])
+    with bus:
+        for i in range(100):
+            bus.publish(Loss(step=i, value=1.0))
+    st = bus.stats()
+    assert st["burner"].delivered == 100
+    assert st["burner"].cpu_s >= 100 * 0.002 * 0.9
+    assert st.cost is not None
+    assert st.cost.bus_cpu_s < st["burner"].cpu_s / 2

@@ -152,7 +152,7 @@ def test_bus_stats_say_what_reached_the_disk(
     """Item 13: with flush_interval > 0 on a full disk, delivered means written."""
     w = JsonlWriter(tmp_path, flush_interval=3600)
     disk = _Disk(monkeypatch, w.path)
-    bus = _bus()
+    bus = _bus(cost_every=None)
     sub = bus.subscribe(w, placement="thread")
     with bus:
         for s in range(5000):

@@ -16,6 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from eventbus import Event, EventBus
 from eventbus.events import (
+    BusCost,
     CheckpointLoaded,
     DivergenceDetected,
     EvalEnded,
@@ -93,6 +94,29 @@ def test_catalogue_scalars_and_tags(tmp_path: Path) -> None:
     text = acc.Tensors("run/config/text_summary")[0].tensor_proto.string_val[0].decode()
     assert '"lr": 0.1' in text
     assert '"layers": 2' in text
+
+
+def test_bus_cost_as_eventbus_scalars(tmp_path: Path) -> None:
+    """The cost report's figures (and each subscriber's CPU) as `eventbus/...` scalars."""
+    _run(
+        tmp_path,
+        [
+            BusCost(
+                step=1000,
+                steps=1001,
+                share=0.004,
+                publish_ms_p50=0.003,
+                bus_cpu_s=1.5,
+                subscriber_cpu_s={"jsonl": 0.25},
+            )
+        ],
+    )
+    acc = _read(tmp_path)
+    assert _scalars(acc, "eventbus/share") == [(1000, pytest.approx(0.004))]
+    assert _scalars(acc, "eventbus/publish_ms_p50") == [(1000, pytest.approx(0.003))]
+    assert _scalars(acc, "eventbus/bus_cpu_s") == [(1000, 1.5)]
+    assert _scalars(acc, "eventbus/cpu_s/jsonl") == [(1000, 0.25)]
+    assert "eventbus/publish_ms_p99" not in acc.Tags()["scalars"]  # unknown: not written
 
 
 def test_tensor_stats_histograms(tmp_path: Path) -> None:

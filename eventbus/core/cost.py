@@ -1,0 +1,178 @@
+"""What the bus costs the training process: time inside `publish`, per step, and bus-side CPU.
+
+    publish (any thread)  --> PublishClock: two clock reads and three integer updates a call
+    bus thread, each drain --> CostMeter.tick: a `BusCost` event every `every` steps
+    stats() / close        --> CostMeter.stats: `CostStats`, and the totals `RunEnded` carries
+
+Steps are told apart by the events' `step` field: the first event of a higher step than any
+before closes the last step's totals (its publish time and its wall time, first event to first
+event). Two threads publishing at once may lose an update of the totals: a measurement, not a
+count anything depends on.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+from collections import deque
+from collections.abc import Callable, Coroutine, Generator, Mapping
+from typing import Any, Protocol
+
+from eventbus.events import BusCost, Event, RunEnded
+from eventbus.stats import CostStats
+
+__all__ = ["CostMeter", "CpuMeter", "PublishClock", "cpu_timed"]
+
+RECENT = 4096  # steps kept for the per-step quantiles
+_NO_STEP = -(1 << 62)
+
+
+class PublishClock:
+    """Written by `publish`: time spent inside it, in total and per step."""
+
+    __slots__ = (
+        "first_ns",
+        "first_t",
+        "mark_ns",
+        "mark_t",
+        "ns",
+        "recent",
+        "step",
+        "steps",
+    )
+
+    def __init__(self) -> None:
+        self.ns = 0  # time inside publish, in total
+        self.step = _NO_STEP  # the highest step seen
+        self.steps = 0  # steps seen (each a higher `step` than any before)
+        self.mark_ns = 0  # `ns` and the clock when that step began
+        self.mark_t = 0
+        self.first_ns = 0  # the same when the first step began
+        self.first_t = 0
+        self.recent: deque[tuple[int, int]] = deque(maxlen=RECENT)  # (publish ns, wall ns)
+
+    def roll(self, step: int, now: int) -> None:
+        """The first event of `step`, a higher step than any before, at `now` (perf ns)."""
+        if self.step == _NO_STEP:
+            self.first_ns, self.first_t = self.ns, now
+        else:
+            self.recent.append((self.ns - self.mark_ns, now - self.mark_t))
+        self.step, self.mark_ns, self.mark_t = step, self.ns, now
+        self.steps += 1
+
+
+def _quantile(sorted_values: list[int], q: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(len(sorted_values) * q))] / 1e6
+
+
+class CostMeter:
+    """Turns the clock, the bus thread's CPU and the subscribers' CPU into reports."""
+
+    def __init__(
+        self,
+        clock: PublishClock,
+        every: int | None,
+        subscriber_cpu: Callable[[], Mapping[str, float]] = dict,
+    ) -> None:
+        self.clock = clock
+        self.every = every  # steps between `BusCost` events; None: none
+        self.subscriber_cpu = subscriber_cpu  # each subscriber's CPU seconds, by name
+        self.published: Callable[[], int] = int  # events published (set by the bus loop)
+        self.bus_cpu_s = 0.0  # the bus thread's CPU, as it read it at its last wake
+        self._reported = _NO_STEP
+
+    def sample(self) -> None:
+        """On the bus thread: read its CPU time. (Reading another thread's clock races with
+        its exit: `pthread_getcpuclockid` on a finished thread crashes the process.)"""
+        self.bus_cpu_s = time.thread_time()
+
+    def stats(self) -> CostStats:
+        """A snapshot of the totals."""
+        c = self.clock
+        recent = list(c.recent)  # a copy: publishers append while we read
+        steps = c.steps
+        pub = sorted(p for p, _ in recent)
+        wall = sorted(w for _, w in recent)
+        span = c.mark_t - c.first_t  # the closed steps, first event to first event
+        bus = self.bus_cpu_s
+        return CostStats(
+            steps=steps,
+            publish_calls=self.published(),
+            publish_s=c.ns / 1e9,
+            publish_ms_p50=_quantile(pub, 0.5) if pub else None,
+            publish_ms_p99=_quantile(pub, 0.99) if pub else None,
+            step_ms_p50=_quantile(wall, 0.5) if wall else None,
+            share=(c.mark_ns - c.first_ns) / span if span > 0 else None,
+            bus_cpu_s=bus,
+            bus_cpu_ms_per_step=bus * 1e3 / steps if steps else None,
+        )
+
+    def event(self) -> BusCost:
+        """The totals as an event, at the last step seen."""
+        s = self.stats()
+        return BusCost(
+            step=self.clock.step if s.steps else None,
+            steps=s.steps,
+            publish_calls=s.publish_calls,
+            publish_s=s.publish_s,
+            publish_ms_p50=s.publish_ms_p50,
+            publish_ms_p99=s.publish_ms_p99,
+            step_ms_p50=s.step_ms_p50,
+            share=s.share,
+            bus_cpu_s=s.bus_cpu_s,
+            subscriber_cpu_s=dict(self.subscriber_cpu()),
+        )
+
+    def tick(self, publish: Callable[[Event], None]) -> None:
+        """After a drain, on the bus thread: read its CPU; publish a `BusCost` when the step
+        passed a multiple of `every`."""
+        self.sample()
+        step = self.clock.step
+        if self.every is None or step == _NO_STEP:
+            return
+        passed = step // self.every  # multiples of `every` passed
+        if self._reported == _NO_STEP:  # the first step seen: no report for steps before it
+            self._reported = passed
+        elif passed > self._reported:
+            self._reported = passed
+            publish(self.event())
+
+    def fill(self, ev: RunEnded) -> None:
+        """Give a `RunEnded` that has none the totals (on the bus thread, before delivery)."""
+        if ev.cost is None:
+            b = self.event()
+            ev.cost = {k: getattr(b, k) for k in _TOTALS}
+
+
+_TOTALS = tuple(f for f in BusCost.__dataclass_fields__ if f not in Event.__dataclass_fields__)
+
+
+@types.coroutine
+def cpu_timed(coro: Coroutine[Any, Any, Any], meter: CpuMeter) -> Generator[Any, Any, Any]:
+    """Await `coro`, adding this thread's CPU time during each of its steps to `meter.cpu_ns`:
+    the time it spends suspended (other tasks' work) is not its own."""
+    clock = time.thread_time_ns
+    send, throw = coro.send, coro.throw
+    value: Any = None
+    error: BaseException | None = None
+    while True:
+        t0 = clock()
+        try:
+            yielded = send(value) if error is None else throw(error)
+        except StopIteration as e:
+            meter.cpu_ns += clock() - t0
+            return e.value
+        except BaseException:
+            meter.cpu_ns += clock() - t0
+            raise
+        meter.cpu_ns += clock() - t0
+        try:
+            value, error = (yield yielded), None
+        except BaseException as e:  # a cancellation or a close: the coroutine handles it
+            value, error = None, e
+
+
+class CpuMeter(Protocol):
+    """Something that adds up CPU nanoseconds."""
+
+    cpu_ns: int
