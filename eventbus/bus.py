@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from eventbus._compiling import compiling, teach_torch, traced_publish
 from eventbus.agreement import StopAgreement
 from eventbus.control import Control
-from eventbus.core.checkpoint import load_states, states
+from eventbus.core.checkpoint import in_a_fork, load_states, states
 from eventbus.core.cost import CostMeter, PublishClock
 from eventbus.core.delivery import Delivery
+from eventbus.core.ending import RunEnding
 from eventbus.core.fork import call_after_fork
 from eventbus.core.inbox import BIG, Attach, Detach, Flush, Inbox, InboxMode
 from eventbus.core.loop import BusLoop
@@ -118,7 +119,9 @@ class EventBus:
         self._deliveries: list[Delivery] = []  # every subscription made, for stats and names
         self._sidecar: Sidecar | None = None  # the child process of placement="process"
         self._names: set[str] = set()
-        self._signals = SignalDrain(self.close, lambda: self.close_timeout)
+        self._ending = RunEnding(self.control, self._clock)
+        self._loop.ending = self._ending.event
+        self._signals = SignalDrain(self.close, lambda: self.close_timeout, self._ending)
         self._exit_hook = False
         call_after_fork(self._forked)
         teach_torch()  # torch imported: torch.compile traces publish without a graph break
@@ -206,12 +209,10 @@ class EventBus:
         with self._lifecycle:
             if self._state == _CLOSED:
                 raise RuntimeError("subscribe() on a closed bus: create a new EventBus")
-            if o.placement == "process":  # the sidecar starts now: overlaps the user's set-up
-                from eventbus.process.sidecar import Sidecar, spec_of  # loaded when asked
+            if o.placement == "process":
+                from eventbus.process.sidecar import place  # loaded when asked
 
-                spec = spec_of(sub)  # a subscriber that cannot go there fails before a process
-                self._sidecar = self._sidecar or Sidecar(self)  # it attaches itself
-                return self._sidecar.subscribe(sub, spec, o, name)
+                return place(self, sub, o, name)
             d = Delivery(
                 sub,
                 name=unique_name(name or describe(sub), self._names),
@@ -277,6 +278,7 @@ class EventBus:
     def __exit__(
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
+        self._ending.exited(et, e)  # the status of the RunEnded a close may publish
         self.close()
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -345,6 +347,7 @@ class EventBus:
 
     def _at_exit(self) -> None:
         if self._state in (_NEW, _RUNNING):
+            self._ending.at_exit()
             self.close()
 
     @property
@@ -375,17 +378,14 @@ class EventBus:
     def state_dict(self) -> dict[str, Any]:
         """Each subscriber's `state_dict()`, by name, after a flush (for checkpoints)."""
         if self._state == _FORKED:
-            raise RuntimeError(
-                "state_dict() in a forked child (a DataLoader worker?): the "
-                "subscribers live in the parent process; call it there"
-            )
+            raise in_a_fork("state_dict()")
         self.flush()
         return states(self._deliveries, self._sidecar)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Hand each subscriber its part of a `state_dict()` (by name)."""
         if self._state == _FORKED:
-            raise RuntimeError("load_state_dict() in a forked child: call it in the parent")
+            raise in_a_fork("load_state_dict()")
         if self._state == _RUNNING:
             self.flush()
         load_states(self._deliveries, state, self._sidecar)

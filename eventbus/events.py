@@ -130,8 +130,10 @@ class RunStarted(Event):
 
 @dataclass(slots=True, kw_only=True)
 class RunEnded(Event):
-    """A run ended: `status` is "completed", "stopped", "aborted" or "failed".
+    """A run ended: `status` is "completed", "stopped", "aborted", "failed", "interrupted"
+    or "unknown"; `reason` says why (the exception, the signal, who asked to stop).
 
+    When the loop published a `RunStarted` and no `RunEnded`, `close()` publishes one.
     `cost`: what the bus cost this run (`BusCost`'s totals), filled in by the bus.
     """
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from eventbus import Event, EventBus, Subscriber
-from eventbus.events import Loss
+from eventbus.events import Loss, RunStarted
 from eventbus.sinks import JsonlWriter
 
 
@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     bus.subscribe(monitor)
     noise: list[LossNoise] = []
     bus.subscribe(noise.append, events=[LossNoise], policy="block")  # a plain function
-    with bus:
+    with bus:  # a run: RunStarted here, RunEnded (completed, or why not) when it closes
+        bus.publish(RunStarted(config={"lr": 0.05, "batch": 32}, total_steps=steps))
         for step in range(1, steps + 1):
             idx = torch.randint(0, len(x), (32,))
             loss = torch.nn.functional.mse_loss(model(x[idx]), y[idx])

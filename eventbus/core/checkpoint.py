@@ -7,7 +7,15 @@ from typing import Any, Protocol
 
 from eventbus.core.delivery import Delivery
 
-__all__ = ["Remotes", "load_states", "states"]
+__all__ = ["Remotes", "in_a_fork", "load_states", "states"]
+
+
+def in_a_fork(call: str) -> RuntimeError:
+    """The error for a checkpoint call in a forked child, saying where to make it."""
+    return RuntimeError(
+        f"{call} in a forked child (a DataLoader worker?): the subscribers live in the "
+        "parent process; call it there"
+    )
 
 
 class Remotes(Protocol):

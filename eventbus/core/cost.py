@@ -51,6 +51,11 @@ class PublishClock:
         self.first_t = 0
         self.recent: deque[tuple[int, int]] = deque(maxlen=RECENT)  # (publish ns, wall ns)
 
+    @property
+    def last(self) -> int | None:
+        """The highest step published (None before the first)."""
+        return None if self.step == _NO_STEP else self.step
+
     def roll(self, step: int, now: int) -> None:
         """The first event of `step`, a higher step than any before, at `now` (perf ns)."""
         if self.step == _NO_STEP:

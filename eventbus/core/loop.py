@@ -29,6 +29,7 @@ from eventbus.core.inbox import Inbox, publisher
 from eventbus.core.router import Router
 from eventbus.core.subscriber import State
 from eventbus.core.worker import thread_state
+from eventbus.events import Event
 from eventbus.log import get_logger
 from eventbus.stats import BusStats
 
@@ -52,6 +53,7 @@ class BusLoop:
     ) -> None:
         self.inbox = inbox
         self.cost = cost  # what the bus costs the training process; None: not measured
+        self.ending: Callable[[], Event] | None = None  # the RunEnded a close publishes
         self.handle = handle
         self.name = name
         self.interval = interval
@@ -289,6 +291,7 @@ class BusLoop:
         routing = anyio.CancelScope()
         self._tg.start_soon(self._route_while_closing, routing)
         with anyio.CancelScope() as self._shutdown_scope:
+            await self._end_run()
             await self._drain_all()
             closed: set[Delivery] = set()
             while True:
@@ -307,6 +310,14 @@ class BusLoop:
             self._hang(d)
         routing.cancel()
         self._count_losses()
+
+    async def _end_run(self) -> None:
+        """A run that began (a RunStarted) and did not end: publish its `RunEnded` now, after
+        everything published before the close and before any subscriber closes."""
+        while len(self.inbox) and not self.router.ended:
+            await self.router.drain(force=True)
+        if self.ending is not None and self.router.started and not self.router.ended:
+            self.handle.publish(self.ending())
 
     async def _drain_all(self) -> None:
         """Let every subscriber finish its queue, and what the others publish meanwhile.

@@ -19,7 +19,7 @@ from eventbus.capture import pending_of, resolve
 from eventbus.core.delivery import Delivery
 from eventbus.core.inbox import Attach, Boxed, Detach, Flush, Inbox
 from eventbus.core.subscriber import State
-from eventbus.events import Event, RunEnded
+from eventbus.events import Event, RunEnded, RunStarted
 
 __all__ = ["Router"]
 
@@ -49,6 +49,7 @@ class Router:
         self.lost = 0  # events still in the inbox when the loop gave up: routed nowhere
         self.closing = False  # set by the loop: from now on routing never waits
         self.run_ended: Callable[[RunEnded], None] | None = None  # fills in the cost totals
+        self.started = self.ended = False  # a RunStarted, a RunEnded routed
         self._draining = anyio.Lock()
         # The event in hand while routing waits (and the subscribers it has not reached).
         self._hand: tuple[Event, tuple[Delivery, ...] | None] | None = None
@@ -124,8 +125,12 @@ class Router:
             elif cls is Attach or cls is Detach or cls is Flush:
                 await self._control(item)
                 continue
-            elif cls is RunEnded and self.run_ended is not None:
-                self.run_ended(item)  # the bus's cost totals, before anyone sees it
+            elif cls is RunEnded:
+                self.ended = True
+                if self.run_ended is not None:
+                    self.run_ended(item)  # the bus's cost totals, before anyone sees it
+            elif cls is RunStarted:
+                self.started = True
             self.routed += 1
             targets = routes.get(cls)
             if targets is None:

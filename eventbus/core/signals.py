@@ -12,7 +12,10 @@ import signal
 import threading
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from eventbus.core.ending import RunEnding
 
 __all__ = ["SignalDrain"]
 
@@ -22,8 +25,11 @@ SIGNALS = (signal.SIGTERM,)
 class SignalDrain:
     """Installs `close` as the SIGTERM handler, chaining the one it replaces."""
 
-    def __init__(self, close: Callable[[], Any], timeout: Callable[[], float]) -> None:
+    def __init__(
+        self, close: Callable[[], Any], timeout: Callable[[], float], ending: RunEnding
+    ) -> None:
         self._close = close
+        self._ending = ending  # told which signal ended the run
         self._timeout = timeout  # how long the drain may take (the bus's close_timeout)
         self._prev: dict[int, Any] = {}
         self._restored = False  # closed: a handler still in someone's chain only passes on
@@ -58,6 +64,7 @@ class SignalDrain:
         prev = self._prev.get(signum, signal.SIG_DFL)
         # Drain on a thread of its own: the code this handler interrupted may hold a lock the
         # close path needs; waiting here with a deadline, the process ends either way.
+        self._ending.signalled(signal.Signals(signum).name)
         closer = threading.Thread(target=self._close, name="eventbus-sigterm", daemon=True)
         closer.start()
         closer.join(self._timeout() + 5.0)

@@ -179,8 +179,10 @@ class Host:
             handle_signals=False,
             inbox_max_bytes=info["max_bytes"],
             queue_max_bytes=info["max_bytes"],
+            cost_every=None,  # the parent's publish is what costs the training thread
         )
         self.bus._loop.handle = self.handle  # subscribers publish to the parent, not here
+        self.bus._loop.ending = None  # the parent ends the run: its RunEnded comes through
         self.handle.host_stats = self.bus.stats
         self.subs: dict[int, Subscription] = {}
         self.own: dict[str, Any] = {}  # subscribers with a `stats()` of their own, by name

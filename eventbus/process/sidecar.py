@@ -43,7 +43,7 @@ from eventbus.stats import BusStats, SidecarStats
 if TYPE_CHECKING:
     from eventbus.bus import EventBus
 
-__all__ = ["Remote", "Sidecar", "spec_of"]
+__all__ = ["Remote", "Sidecar", "place", "spec_of"]
 
 _POLL_S = 0.05  # how often a waiting caller looks whether the sidecar still lives
 
@@ -51,6 +51,15 @@ _POLL_S = 0.05  # how often a waiting caller looks whether the sidecar still liv
 def spec_of(sub: Any) -> ProcessSubscriber:
     """What the sidecar builds for `sub`; raises here if it cannot go there (unpicklable)."""
     return sub if isinstance(sub, ProcessSubscriber) else ProcessSubscriber(sub)
+
+
+def place(bus: EventBus, sub: Any, o: SubscribeOptions, name: str | None) -> Subscription:
+    """Subscribe `sub` in the bus's sidecar, started at the first (overlapping the user's
+    set-up); one that cannot go there fails before any process starts."""
+    spec = spec_of(sub)
+    if bus._sidecar is None:
+        bus._sidecar = Sidecar(bus)  # it attaches itself
+    return bus._sidecar.subscribe(sub, spec, o, name)
 
 
 class Sidecar(Reports):
