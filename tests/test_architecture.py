@@ -100,6 +100,7 @@ LAYERS: dict[str, str] = {
     "eventbus.sinks._jsonl_records": SUBSCRIBERS,
     "eventbus.monitors._memory_summary": SUBSCRIBERS,
     "eventbus.monitors._oom_snapshots": SUBSCRIBERS,
+    "eventbus.sinks._runs": SUBSCRIBERS,
     "eventbus.sinks._text": SUBSCRIBERS,
     "eventbus.sinks.console": SUBSCRIBERS,
     "eventbus.sinks.jsonl": SUBSCRIBERS,

@@ -33,6 +33,7 @@ from eventbus.sinks._files import (
 )
 from eventbus.sinks._jsonl_file import JsonlFile, JsonlWriteError
 from eventbus.sinks._jsonl_records import LineEncoder, header_record, stats_record
+from eventbus.sinks._runs import RUN_PREFIX, is_resume, run_dir, run_place
 
 __all__ = ["JsonlWriteError", "JsonlWriter", "JsonlWriterStats"]
 
@@ -56,6 +57,14 @@ class JsonlWriterStats:
 
 
 _RESUMES = (CheckpointLoaded, RunStarted)  # events that may carry a resume step
+
+
+def _used(path: Path) -> bool:
+    """An earlier run wrote this file."""
+    try:
+        return path.stat().st_size > 0
+    except OSError:
+        return False
 
 
 class JsonlWriter(BuiltFromArguments):
@@ -123,38 +132,58 @@ class JsonlWriter(BuiltFromArguments):
         self._timer_stop = threading.Event()
         self._lines = LineEncoder()  # counts the events replaced by a marker line
         self._unreported = 0  # held lines lost in the timer thread, not yet raised to the bus
+        self._undecided = False  # an earlier run's file is where ours would go: not open yet
 
     # -- where ----------------------------------------------------------------------------
 
     @property
     def path(self) -> Path:
-        """The file written: final once the bus started (rank and world size known then)."""
-        if self._file.path is not None:
-            return self._file.path
-        return self._resolve(self.rank or 0, self.world_size or 1)
+        """The file written (as the sidecar's copy reports, when it runs there): final once
+        the bus started, or once the first events came when an earlier run wrote here."""
+        reported = self.stats().path if self._reported is not None else None
+        if self._file.path is not None or reported:
+            return self._file.path or Path(str(reported))
+        return self._place(resume=self._resume_from is not None)
 
-    def _resolve(self, rank: int, world_size: int) -> Path:
+    def _resolve(self, rank: int, world_size: int, run: int = 1) -> Path:
+        """The file of this rank in the `run`-th run written here (`eventbus.sinks._runs`)."""
+        t = self._target
         if not self._file_mode:
             name = self.filename if world_size <= 1 else f"{self.filename}.rank{rank}"
-            return self._target / f"{name}.jsonl"
+            return run_dir(t, run) / f"{name}.jsonl"
+        if run > 1:
+            t = t.with_name(f"{t.stem}.{RUN_PREFIX}{run}{t.suffix}")
         if world_size <= 1:
-            return self._target
-        if self._target.suffix == ".jsonl":
-            return self._target.with_name(f"{self._target.stem}.rank{rank}.jsonl")
-        return self._target.with_name(f"{self._target.name}.rank{rank}")
+            return t
+        if t.suffix == ".jsonl":
+            return t.with_name(f"{t.stem}.rank{rank}.jsonl")
+        return t.with_name(f"{t.name}.rank{rank}")
+
+    def _place(self, *, resume: bool) -> Path:
+        """This run's file: a new run never appends to an earlier one; a resume continues it."""
+        rank, world = self.rank or 0, self.world_size or 1
+        if self.overwrite and not resume:
+            return self._resolve(rank, world)
+        return run_place(lambda n: self._resolve(rank, world, n), _used, resume=resume)
 
     # -- subscriber hooks (run in the bus's worker thread for this writer) -----------------
 
     def on_start(self, bus: BusHandle | None = None) -> None:
         """Open the file for this rank: repair a torn last line, apply a resume, add a header."""
         self._bus = bus
-        if getattr(bus, "restarted", False):  # rebuilt after its sidecar died: append
+        restarted = getattr(bus, "restarted", False)
+        if restarted:  # rebuilt after its sidecar died: append to what it wrote
             self._resume_from, self.overwrite = None, False
         if bus is not None:
             self.rank = bus.rank if self.rank is None else self.rank
             self.world_size = bus.world_size if self.world_size is None else self.world_size
         with self._lock:
-            self._open()
+            resume = restarted or self._resume_from is not None
+            first = self._resolve(self.rank or 0, self.world_size or 1)
+            if resume or self.overwrite or not _used(first):
+                self._open(self._place(resume=resume))
+            else:  # an earlier run wrote here: this run's first events say if it resumes it
+                self._undecided = True
 
     def on_events(self, batch: list[Event]) -> None:
         """Encode the batch into one buffer and write it (now, or when the interval is due).
@@ -164,12 +193,13 @@ class JsonlWriter(BuiltFromArguments):
         """
         f = self._file
         with self._lock:
+            if f.fd is None and f.error is None:  # undecided, or never started
+                resume = self._resume_from is not None or is_resume(batch)
+                self._open(self._place(resume=resume))
             if f.error is not None:
                 err = f.refuse(len(batch))
                 err.earlier_lost, self._unreported = self._unreported, 0
                 raise err
-            if f.fd is None:
-                self._open()
             lines = bytearray()
             n = 0
             try:
@@ -202,7 +232,7 @@ class JsonlWriter(BuiltFromArguments):
     def on_flush(self) -> None:
         """Write what is held (a `flush_interval` > 0 holds lines between writes)."""
         with self._lock:
-            if self._file.error is None:
+            if self._file.error is None and not self._undecided:
                 try:
                     self._file.write_out()
                 except JsonlWriteError as e:  # held lines, delivered earlier: the next batch
@@ -221,6 +251,8 @@ class JsonlWriter(BuiltFromArguments):
         with self._lock:
             if self._closed:
                 return
+            if self._undecided:  # nothing came: a run of its own, with its header and stats
+                self._open(self._place(resume=False))
             self._closed = True
             try:
                 if f.fd is not None:
@@ -296,11 +328,13 @@ class JsonlWriter(BuiltFromArguments):
 
     # -- the file (called with the lock held) -------------------------------------------------
 
-    def _open(self) -> None:
+    def _open(self, path: Path) -> None:
         if self._closed:
             raise RuntimeError("this JsonlWriter was closed; create a new one")
+        self._undecided = False
+        path.parent.mkdir(parents=True, exist_ok=True)  # DIR/run-2
         self._file.open(
-            self._resolve(self.rank or 0, self.world_size or 1),
+            path,
             truncate=self.overwrite and self._resume_from is None,
             resume_from=self._resume_from,
         )

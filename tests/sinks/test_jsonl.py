@@ -22,6 +22,7 @@ from eventbus.events import (
     EvalEnded,
     Loss,
     OptimizerStepped,
+    RunEnded,
     RunStarted,
     Scalars,
     StepEnded,
@@ -394,8 +395,10 @@ def test_overwrite_starts_the_file_afresh(tmp_path: Path) -> None:
     _write_run(tmp_path, range(1, 4))
     w = _write_run(tmp_path, range(1, 3), overwrite=True)
     assert _loss_steps(w.path) == [1, 2]
-    w = _write_run(tmp_path, range(3, 4))  # the default appends
-    assert _loss_steps(w.path) == [1, 2, 3]
+    w = _write_run(tmp_path, range(3, 4))  # the default: a run of its own, beside
+    assert _loss_steps(w.path) == [3]
+    assert w.path == tmp_path / "run-2" / "events.jsonl"
+    assert _loss_steps(tmp_path / "events.jsonl") == [1, 2]
 
 
 # -- one bad payload skips only itself (issue 14, item 5) ------------------------------------
@@ -468,7 +471,8 @@ def test_string_tags_and_int_keys_survive_the_writer(tmp_path: Path) -> None:
     with bus:
         bus.publish(RunStarted(config={1: "a", "1": "b", "act": "NaN"}))
         bus.publish(JsonlUserEvent(step=1, label="Infinity", score=math.inf))
-    first, second = _events(w.path)
+    first, second, ended = _events(w.path)  # close() ended the run
+    assert isinstance(ended, RunEnded) and ended.status == "completed"
     assert isinstance(first, RunStarted) and first.config == {1: "a", "1": "b", "act": "NaN"}
     assert isinstance(second, JsonlUserEvent)
     assert (second.label, second.score) == ("Infinity", math.inf)

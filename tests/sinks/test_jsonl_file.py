@@ -60,10 +60,18 @@ def test_resume_keeps_late_lines_of_earlier_steps(tmp_path: Path) -> None:
 
 
 def test_torn_last_line_repaired_when_appending(tmp_path: Path) -> None:
+    """A run resumed after a crash mid-write continues the file, the torn line cut off."""
     first = _write_run(tmp_path, range(1, 3))
     with open(first.path, "ab") as f:
         f.write(b'{"type":"Lo')
-    w = _write_run(tmp_path, range(3, 5))
+    w = JsonlWriter(tmp_path)
+    bus = _bus()
+    bus.subscribe(w, placement="thread")
+    with bus:
+        bus.publish(RunStarted(resumed_from_step=2))
+        for s in (3, 4):
+            bus.publish(Loss(step=s, value=float(s)))
+    assert w.path == first.path
     assert _loss_steps(w.path) == [1, 2, 3, 4]
     assert w.stats().torn_lines_repaired == 1
 
