@@ -229,8 +229,7 @@ class EventBus:
         return Subscription(d, self._detach)
 
     def _attach(self, d: Delivery) -> None:
-        if d.lossless:
-            self._loop.router.pending_lossless.add(d)
+        self._loop.router.expect(d)
         self._inbox.put_control(Attach(d))
         self._close_at_exit()  # events for it must not vanish, even unstarted
 
@@ -247,7 +246,7 @@ class EventBus:
         with self._lifecycle:
             if d.state is State.PENDING and self._state == _NEW:
                 d.state = State.REMOVED  # never attached: the loop skips its Attach
-                self._loop.router.pending_lossless.discard(d)
+                self._loop.router.forget(d)
             elif (
                 d.state in (State.PENDING, State.RUNNING, State.DISABLED)
                 and self._state == _RUNNING

@@ -42,8 +42,10 @@ class Router:
         self.inbox = inbox
         self.deliveries: tuple[Delivery, ...] = ()  # attached and not removed
         self.lossless = 0  # attached subscribers with the `block` policy
-        # Lossless subscribers subscribed but not attached yet (their Attach is queued): a
-        # publisher meeting a full inbox must already wait for them. Set ops are atomic.
+        # Subscribers subscribed but not attached yet (their Attach is queued): a drop at the
+        # inbox is already theirs, and a publisher meeting a full inbox already waits for the
+        # lossless ones. Changed under `_drop_lock`; set ops are atomic for `waits`.
+        self.pending: set[Delivery] = set()
         self.pending_lossless: set[Delivery] = set()
         self.routed = 0  # events taken from the inbox and routed
         self.lost = 0  # events still in the inbox when the loop gave up: routed nowhere
@@ -78,12 +80,29 @@ class Router:
         or on its way (subscribed, its attach still queued)."""
         return self.lossless > 0 or bool(self.pending_lossless)
 
+    def expect(self, d: Delivery) -> None:
+        """`d` was subscribed and its Attach queued: what the inbox drops from now on was its."""
+        with self._drop_lock:
+            self.pending.add(d)
+            if d.lossless:
+                self.pending_lossless.add(d)
+
+    def forget(self, d: Delivery) -> None:
+        """`d` was removed before the loop attached it."""
+        with self._drop_lock:
+            self.pending.discard(d)
+            self.pending_lossless.discard(d)
+
     def count_drop(self, ev: Event) -> None:
         """An event dropped at the inbox (publisher's thread): counted for every subscriber
-        that would have had it."""
+        that would have had it, attached or on its way."""
+        cls = type(ev)
         with self._drop_lock:
-            for d in self.targets(type(ev), cache=False):
+            for d in self.targets(cls, cache=False):
                 d.inbox_dropped += 1
+            for d in self.pending:
+                if issubclass(cls, d.events):
+                    d.inbox_dropped += 1
 
     async def drain(self, chunk: int = 4096, *, force: bool = False) -> None:
         """Route, in order, what the inbox holds now (at most `chunk` items).
@@ -183,12 +202,14 @@ class Router:
     async def _control(self, item: Any) -> None:
         if type(item) is Attach:
             d = item.delivery
-            self.pending_lossless.discard(d)
-            if d.state is not State.PENDING:  # removed before the loop attached it
-                return
-            d.open()
-            d.worker.owner = self.inbox  # its thread is this bus's side
-            self._set((*self.deliveries, d))
+            with self._drop_lock:  # from pending to attached at once: a drop counts once
+                self.pending.discard(d)
+                self.pending_lossless.discard(d)
+                if d.state is not State.PENDING:  # removed before the loop attached it
+                    return
+                d.open()
+                d.worker.owner = self.inbox  # its thread is this bus's side
+                self._set((*self.deliveries, d))
             self._start(d)
         elif type(item) is Detach:
             d = item.delivery

@@ -79,3 +79,18 @@ def test_a_hung_lossless_subscriber_cannot_hold_training_forever() -> None:
     h = total["hung"]
     assert h.published == h.delivered + h.failed + h.dropped + h.queued
     assert h.dropped > 0
+
+
+def test_a_drop_before_the_loop_attached_a_subscriber_is_still_its() -> None:
+    """A publisher meeting a full inbox while a new subscriber's Attach is still queued:
+    the drop is counted for it (it was subscribed before the publish), once."""
+    bus = EventBus(cost_every=None)
+    bus.subscribe(lambda ev: None, policy="drop_newest", name="late", events=[Loss])
+    router = bus._loop.router
+    router.count_drop(Loss(step=1, value=0.0))  # what the inbox does when full
+    router.count_drop(Loss(step=2, value=0.0))
+    router.count_drop(StepEnded(step=2))  # not a type it takes
+    with bus:
+        bus.publish(Loss(step=3, value=0.0))
+    st = bus.stats()["late"]
+    assert (st.published, st.delivered, st.dropped) == (3, 1, 2)
