@@ -10,6 +10,7 @@ from eventbus.codec import EventDecodeError, EventEncodeError
 from eventbus.config import ConfigError, bus_from_config, subscribe_from_config
 from eventbus.control import AbortRequested, Control
 from eventbus.events import Event
+from eventbus.load import load
 from eventbus.replay import replay
 from eventbus.stats import BusStats, SubscriberStats
 from eventbus.subscriber import Subscriber
@@ -29,6 +30,7 @@ __all__ = [
     "Subscription",
     "bus_from_config",
     "get_bus",
+    "load",
     "register_global",
     "replay",
     "set_bus",

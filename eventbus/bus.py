@@ -23,7 +23,7 @@ from eventbus._compiling import compiling, teach_torch, traced_publish
 from eventbus.agreement import StopAgreement
 from eventbus.control import Control
 from eventbus.core.checkpoint import in_a_fork, load_states, states
-from eventbus.core.cost import CostMeter, PublishClock
+from eventbus.core.cost import CostMeter, PublishClock, cpu_of
 from eventbus.core.delivery import Delivery
 from eventbus.core.ending import RunEnding
 from eventbus.core.fork import call_after_fork
@@ -103,7 +103,7 @@ class EventBus:
         if self.world_size > 1:  # should_stop agreed by all ranks (one small all_reduce)
             self.control.agree = StopAgreement(self.control, every=stop_check_every)
         self._clock = PublishClock() if cost_every is not None else None
-        cpu = lambda: {n: s.cpu_s for n, s in self.stats().subscribers.items()}  # noqa: E731
+        cpu = lambda: cpu_of(self._deliveries, self._sidecar)  # noqa: E731
         self._loop = BusLoop(
             Inbox(inbox_maxsize, inbox_max_bytes),
             self,

@@ -1,4 +1,4 @@
-"""The installed eventbus version (written into log headers)."""
+"""The eventbus version, in one place: pyproject.toml reads it, log headers write it."""
 
 __all__ = ["__version__"]
 

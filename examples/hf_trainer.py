@@ -87,8 +87,11 @@ def main(argv: list[str] | None = None) -> None:
     trainer.remove_callback(PrinterCallback)  # ConsoleProgress shows progress instead
     with bus:  # closing drains every subscriber
         trainer.train()
-    last = trainer.state.log_history[-1]
-    print(f"stopped at step {trainer.state.global_step}; train_loss {last.get('train_loss'):.3f}")
+    step, loss = trainer.state.global_step, trainer.state.log_history[-1].get("train_loss")
+    if bus.should_stop:  # a detector asked the Trainer to stop
+        print(f"stopped at step {step} ({bus.control.reason}); train_loss {loss:.3f}")
+    else:
+        print(f"completed {step} steps; train_loss {loss:.3f}")
     print(f"wrote {opts.out}/events.jsonl; try: eventbus summary {opts.out}/events.jsonl")
 
 

@@ -10,6 +10,8 @@ checkpoints; the subscribers run on the bus thread.
 from __future__ import annotations
 
 import argparse
+import logging
+import warnings
 from typing import Any
 
 import torch
@@ -59,6 +61,12 @@ def main(argv: list[str] | None = None) -> None:
     opts = parser.parse_args(argv)
     steps = 40 if opts.quick else 1000
 
+    # Lightning's start-up banner and tips are INFO records of its logger (either package name);
+    # torch 2.13 deprecates a class Lightning still uses: nothing this script can change.
+    for name in ("lightning.pytorch", "pytorch_lightning"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=r".*LeafSpec.*is deprecated", category=FutureWarning)
+
     torch.manual_seed(0)
     bus = EventBus()
     bus.subscribe(JsonlWriter(opts.out, overwrite=True))  # lossless: every line on disk
@@ -79,7 +87,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     with bus:  # closing drains every subscriber
         trainer.fit(Regressor(), loader(4096, 0), loader(256, 1))
-    print(f"stopped at step {trainer.global_step}")
+    if bus.should_stop:  # a detector asked the Trainer to stop
+        print(f"stopped at step {trainer.global_step} ({bus.control.reason})")
+    else:
+        print(f"completed {trainer.global_step} steps")
     print(f"wrote {opts.out}/events.jsonl; try: eventbus summary {opts.out}/events.jsonl")
 
 

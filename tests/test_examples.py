@@ -13,6 +13,10 @@ ROOT = Path(__file__).resolve().parents[1]
 ALL = sorted(p for p in (ROOT / "examples").glob("*.py") if not p.name.startswith("_"))
 # torchrun_ddp.py needs a launcher: tests/test_dist.py runs it under torchrun with 2 ranks.
 EXAMPLES = [p for p in ALL if p.name != "torchrun_ddp.py"]
+# What frameworks print on their own: start-up banners and tips for their other products.
+ADVERTS = ("💡", "Tip:", "GPU available:", "TPU available:", "litlogger", "litmodels")
+# The last words of a run that went to its end (quick mode): no "stopped at" for those.
+COMPLETED = {"hf_trainer.py": "completed 30 steps", "lightning_trainer.py": "completed 40 steps"}
 
 
 @pytest.mark.slow
@@ -28,6 +32,11 @@ def test_example_runs_in_quick_mode(script: Path, tmp_path: Path) -> None:
     )
     tail = f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     assert proc.returncode == 0, f"{script.name} failed:\n{tail}"
+    out = (proc.stdout + proc.stderr).splitlines()
+    noise = [line for line in out if any(a in line for a in ADVERTS)]
+    assert not noise, f"{script.name} printed what the frameworks advertise:\n" + "\n".join(noise)
+    if script.name in COMPLETED:
+        assert COMPLETED[script.name] in proc.stdout and "stopped at" not in proc.stdout, tail
 
 
 def test_every_example_has_a_quick_mode() -> None:

@@ -24,6 +24,7 @@ from typing import NoReturn
 from eventbus.cli import plot, replay, summary, tail
 from eventbus.cli._errors import UsageError, fail
 from eventbus.codec import EventDecodeError
+from eventbus.version import __version__
 
 __all__ = ["main"]
 
@@ -36,6 +37,7 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="eventbus", description="Look at recorded eventbus JSONL logs.")
     p.add_argument("-q", "--quiet", action="store_true", help="hide warnings from the library")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for command in (replay, summary, tail, plot):
         command.add_parser(sub)

@@ -11,10 +11,12 @@ from typing import Any
 
 from eventbus.cli._checks import check_event
 from eventbus.cli._errors import UsageError, no_events
-from eventbus.config import ConfigError, parse_spec
+from eventbus.config import ConfigError, SubscriberConfig, parse_spec
 from eventbus.events import Event
 from eventbus.logformat import LogLine, LogReadError, log_files, log_ranks, read_log, write_events
+from eventbus.monitors import MemoryProfiler
 from eventbus.replay import Replayer
+from eventbus.sinks._runs import RUN_PREFIX
 from eventbus.sinks._text import describe
 
 __all__ = ["add_parser", "resolve_spec", "run"]
@@ -38,14 +40,47 @@ def add_parser(sub: Any) -> None:
 
 
 def resolve_spec(spec: str, *, ranks: Sequence[int] = (0,)) -> Any:
-    """Build the subscriber a SPEC names (`eventbus.config` rules); `UsageError` when it cannot."""
+    """Build the subscriber a SPEC names (`eventbus.config` rules); `UsageError` when it cannot,
+    or when it is a MemoryProfiler (it would measure the replaying process)."""
+    return _build(_parse(spec, ranks), spec)
+
+
+def _parse(spec: str, ranks: Sequence[int]) -> SubscriberConfig:
+    """A SPEC checked without building anything (a sink creates its files when built)."""
     try:
         c = parse_spec(spec)
-        if c.factory in ("tensorboard", "tb") and "ranks" not in c.kwargs:
-            c.kwargs["ranks"] = (ranks[0],)  # one rank writes, as in a live run
-        return c.build()
+        factory = c.factory_object()
     except ConfigError as e:
         raise UsageError(str(e)) from None
+    if isinstance(factory, type) and issubclass(factory, MemoryProfiler):
+        raise _measures_replay(spec)
+    if c.factory in ("tensorboard", "tb") and "ranks" not in c.kwargs:
+        c.kwargs["ranks"] = (ranks[0],)  # one rank writes, as in a live run
+    return c
+
+
+def _build(c: SubscriberConfig, spec: str) -> Any:
+    try:
+        sub = c.build()
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    if isinstance(sub, MemoryProfiler):  # a user's factory that returns one
+        raise _measures_replay(spec)
+    return sub
+
+
+def _measures_replay(spec: str) -> UsageError:
+    return UsageError(
+        f"{spec}: MemoryProfiler measures the process it runs in, which here would be this "
+        "replay, not the run; the run's MemorySample events are in its log already "
+        "(eventbus summary / plot show them)"
+    )
+
+
+def _run_base(path: Path) -> Path:
+    """The directory a run was written to (`DIR` for `DIR/run-2/events.jsonl` too)."""
+    d = path.resolve().parent
+    return d.parent if d.name.startswith(RUN_PREFIX) else d
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,11 +96,12 @@ def run(args: argparse.Namespace) -> int:
     first = next(events, None)
     if first is None:
         raise no_events(files)
-    subs = [resolve_spec(s, ranks=ranks) for s in args.subscribe]
+    configs = [_parse(s, ranks) for s in args.subscribe]  # all checked before one is built
+    subs = [_build(c, s) for c, s in zip(configs, args.subscribe, strict=True)]
     for s in subs:
         target = getattr(s, "path", None)
-        if isinstance(target, Path) and target.resolve() in inputs:
-            raise UsageError(f"{target} is being replayed; write to another directory")
+        if isinstance(target, Path) and _run_base(target) in {_run_base(p) for p in inputs}:
+            raise UsageError(f"{target.parent} is being replayed; write to another directory")
     r = Replayer(subs, rank=ranks[0])
     published = r.run(itertools.chain([first], events))
     st = r.stats()

@@ -135,10 +135,24 @@ class RunReport:
     run_started: RunStarted | None = None
     run_ended: RunEnded | None = None
     bus_cost: BusCost | None = None  # the last one
+    fresh_starts: dict[str, int] = field(default_factory=dict)  # file -> RunStarted, no resume
     # (file, session: headers seen in it, rank) -> seq numbers seen
     seqs: dict[tuple[str, int, int], SeqCounter] = field(default_factory=dict)
     _sessions: dict[str, int] = field(default_factory=dict)
     _rank0: int | None = None
+
+    @property
+    def several_runs(self) -> str | None:
+        """A warning when a file holds several runs one after the other (each began with a
+        RunStarted that resumed nothing): their steps mix in every figure."""
+        many = {Path(p).name: n for p, n in self.fresh_starts.items() if n > 1}
+        if not many:
+            return None
+        held = ", ".join(f"{name} holds {n} runs" for name, n in many.items())
+        return (
+            f"{held}, one after the other: their steps are mixed here (eventbus now writes "
+            "each run to a place of its own: DIR/run-2, ...)"
+        )
 
     @property
     def seq_gaps(self) -> int:
@@ -177,6 +191,8 @@ class RunReport:
             self.last_ts = ev.ts if self.last_ts is None else max(self.last_ts, ev.ts)
         self._seq(path, rank, ev.seq)
         check_event(ev)
+        if type(ev) is RunStarted and ev.resumed_from_step is None:
+            self.fresh_starts[path] = self.fresh_starts.get(path, 0) + 1
         if isinstance(ev, DivergenceDetected | MemoryLeakSuspected | StopRequested):
             self.detections.append(ev)
         elif rank == self._rank0:  # series and throughput from one rank (the lowest)

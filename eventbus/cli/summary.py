@@ -1,4 +1,5 @@
-"""`eventbus summary`: steps, wall time, loss, throughput, losses and detections of a run."""
+"""`eventbus summary`: steps, wall time, loss, throughput, losses and detections of a run;
+several runs side by side (`eventbus.cli.runs` says what a run is)."""
 
 from __future__ import annotations
 
@@ -11,54 +12,63 @@ from typing import Any
 
 import orjson
 
-from eventbus.cli._errors import no_events
+from eventbus.cli._format import g, hms
+from eventbus.cli.compare import compare_lines
 from eventbus.cli.cost import cost_dict, cost_lines
-from eventbus.cli.report import RunReport, collect
+from eventbus.cli.report import RunReport
+from eventbus.cli.runs import read_runs, run_names
 from eventbus.events import DivergenceDetected, MemoryLeakSuspected, StopRequested
-from eventbus.logformat import log_files
 
 __all__ = ["add_parser", "run", "summary_dict", "summary_lines"]
 
+_BY_DESIGN = "latest"  # the policy that drops what a newer event replaced (a progress bar)
+
 
 def add_parser(sub: Any) -> None:
-    """Register `eventbus summary LOG... [--json]`."""
-    s = sub.add_parser("summary", help="steps, wall time, loss, throughput, losses, detections")
-    s.add_argument("logs", nargs="+", metavar="LOG")
-    s.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    """Register `eventbus summary LOG... [--json] [--merge]`."""
+    s = sub.add_parser(
+        "summary",
+        help="steps, wall time, loss, throughput, losses, detections; runs side by side",
+    )
+    s.add_argument("logs", nargs="+", metavar="LOG", help="a run's directory or files, or a tree")
+    s.add_argument(
+        "--json", action="store_true", help="one JSON object (a list of them for several runs)"
+    )
+    s.add_argument("--merge", action="store_true", help="read every LOG as files of one run")
     s.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print steps, wall time, loss, throughput, drops/failures, detections, peak memory."""
-    files = log_files(args.logs)
-    report = collect(files)
-    if report.events == 0:
-        raise no_events(files)
+    """Print steps, wall time, loss, throughput, drops/failures, detections, peak memory;
+    for several runs, one column (or JSON object) each."""
+    runs, reports = read_runs(args.logs, merge=args.merge)
+    if len(runs) == 1:
+        if args.json:
+            print(_json(summary_dict(reports[0])))
+        else:
+            print("\n".join(summary_lines(reports[0])))
+        return 0
+    names = run_names(runs, reports)
+    ds = [summary_dict(r) for r in reports]
     if args.json:
-        d = summary_dict(report)
-        try:
-            text = orjson.dumps(d, default=str, option=orjson.OPT_NON_STR_KEYS).decode()
-        except orjson.JSONEncodeError:  # a sum past 64 bits (absurd stats records)
-            text = json.dumps(d, default=str)
-        print(text)
+        print(_json([{"run": n, **d} for n, d in zip(names, ds, strict=True)]))
     else:
-        print("\n".join(summary_lines(report)))
+        print("\n".join(compare_lines(names, reports, ds)))
     return 0
 
 
-def _hms(s: float) -> str:
-    s = max(0.0, s)
-    return f"{int(s // 3600)}:{int(s // 60 % 60):02d}:{s % 60:04.1f}"
-
-
-def _g(v: float) -> str:
-    return f"{v:.4g}" if math.isfinite(v) else str(v)
+def _json(d: Any) -> str:
+    try:
+        return orjson.dumps(d, default=str, option=orjson.OPT_NON_STR_KEYS).decode()
+    except orjson.JSONEncodeError:  # a sum past 64 bits (absurd stats records)
+        return json.dumps(d, default=str)
 
 
 def summary_dict(r: RunReport) -> dict[str, Any]:
     """The summary as plain data (`eventbus summary --json`)."""
     out: dict[str, Any] = {"files": r.files, "events": r.events, "ranks": sorted(r.ranks)}
     out["status"] = r.run_ended.status if r.run_ended else None
+    out["several_runs"] = r.several_runs
     out["steps"] = {
         "count": len(r.steps),
         "first": min(r.steps, default=None),
@@ -121,8 +131,12 @@ def summary_dict(r: RunReport) -> dict[str, Any]:
 
 
 def _losses(r: RunReport) -> dict[str, Any]:
-    """Drops and failures: the bus's own stats records, skipped lines and seq gaps."""
-    subs: dict[str, dict[str, int]] = {}
+    """Drops and failures: the bus's own stats records, skipped lines and seq gaps.
+
+    A subscriber with the `latest` policy (a progress bar) drops what a newer event replaced,
+    by design: its drops are `superseded`, not counted in `dropped`.
+    """
+    subs: dict[str, dict[str, Any]] = {}
     writer: dict[str, int] = defaultdict(int)
     bus: dict[str, int] = defaultdict(int)
     for rec in r.stats_records:
@@ -131,7 +145,8 @@ def _losses(r: RunReport) -> dict[str, Any]:
             bus[k] += int(b.get(k) or 0)
         bus["hung"] += len(b.get("hung") or ())
         for name, s in (b.get("subscribers") or {}).items():
-            d = subs.setdefault(name, {"dropped": 0, "failed": 0})
+            d = subs.setdefault(name, {"policy": None, "dropped": 0, "failed": 0})
+            d["policy"] = s.get("policy") or d["policy"]
             d["dropped"] += int(s.get("dropped") or 0)
             d["failed"] += int(s.get("failed") or 0)
         for k, v in (rec.get("writer") or {}).items():
@@ -141,7 +156,8 @@ def _losses(r: RunReport) -> dict[str, Any]:
         "stats_records": len(r.stats_records),
         "bus": dict(bus),
         "subscribers": subs,
-        "dropped": sum(s["dropped"] for s in subs.values()),
+        "dropped": sum(s["dropped"] for s in subs.values() if s["policy"] != _BY_DESIGN),
+        "superseded": sum(s["dropped"] for s in subs.values() if s["policy"] == _BY_DESIGN),
         "failed": sum(s["failed"] for s in subs.values()),
         "writer": dict(writer),
         "skipped_lines": r.skipped,
@@ -158,6 +174,8 @@ def summary_lines(r: RunReport) -> list[str]:
         f"run:        {', '.join(r.files)} ({r.events:,} events, "
         f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
     ]
+    if r.several_runs:
+        lines.append(f"warning:    {r.several_runs}")
     status = d["status"] or "no RunEnded (still running, or it crashed)"
     if r.run_ended is not None and r.run_ended.reason:
         status += f": {r.run_ended.reason}"
@@ -170,18 +188,18 @@ def summary_lines(r: RunReport) -> list[str]:
         + (f" ({st['first']} to {st['last']})" if st["count"] else "")
     )
     if d["wall_time_s"] is not None:
-        lines.append(f"wall time:  {_hms(d['wall_time_s'])} ({d['wall_time_s']:.1f} s)")
+        lines.append(f"wall time:  {hms(d['wall_time_s'])} ({d['wall_time_s']:.1f} s)")
     for split, lo in d["loss"].items():
-        parts = [f"first {_g(lo['first'][1])} @{lo['first'][0]}"]
+        parts = [f"first {g(lo['first'][1])} @{lo['first'][0]}"]
         if lo["min"]:
-            parts.append(f"min {_g(lo['min'][1])} @{lo['min'][0]}")
-        parts.append(f"last {_g(lo['last'][1])} @{lo['last'][0]}")
+            parts.append(f"min {g(lo['min'][1])} @{lo['min'][0]}")
+        parts.append(f"last {g(lo['last'][1])} @{lo['last'][0]}")
         if lo["non_finite"]:
             parts.append(f"{lo['non_finite']} non-finite")
         lines.append(f"loss {split + ':':<6} " + ", ".join(parts))
     if d["eval"]:
         lines.append(
-            "eval:       " + ", ".join(f"{k} {_g(v[1])} @{v[0]}" for k, v in d["eval"].items())
+            "eval:       " + ", ".join(f"{k} {g(v[1])} @{v[0]}" for k, v in d["eval"].items())
         )
     tp = d["throughput"]
     if tp:
@@ -201,7 +219,7 @@ def summary_lines(r: RunReport) -> list[str]:
     else:
         lines.append(f"detections: {len(dets)}")
         for x in dets:
-            lines.append("  " + _detection(x))
+            lines.append("  " + _detection(x, multi_rank=len(ranks) > 1))
     mem = d["peak_memory_mb"]
     if mem:
         lines.append(
@@ -219,9 +237,9 @@ def _losses_line(lo: dict[str, Any]) -> str:
     else:
         parts.append(f"{lo['dropped']:,} dropped, {lo['failed']:,} failed")
         bad = [
-            f"{n}: {s['dropped']} dropped, {s['failed']} failed"
+            f"{n}: {lost} dropped, {s['failed']} failed"
             for n, s in lo["subscribers"].items()
-            if s["dropped"] or s["failed"]
+            if (lost := 0 if s["policy"] == _BY_DESIGN else s["dropped"]) or s["failed"]
         ]
         if bad:
             parts.append("(" + "; ".join(bad) + ")")
@@ -238,19 +256,32 @@ def _losses_line(lo: dict[str, Any]) -> str:
         parts.append(f"{lo['seq_gaps']} events missing from the log (seq gaps)")
     if lo["seq_duplicates"]:
         parts.append(f"{lo['seq_duplicates']} events written twice (repeated seq)")
-    return ", ".join(parts)
+    line = ", ".join(parts)
+    if lo["superseded"]:
+        names = [
+            n for n, s in lo["subscribers"].items() if s["policy"] == _BY_DESIGN and s["dropped"]
+        ]
+        line += (
+            f"; by design: {lo['superseded']:,} superseded by newer events "
+            f"({', '.join(names)}: policy {_BY_DESIGN})"
+        )
+    return line
 
 
-def _detection(x: dict[str, Any]) -> str:
+def _detection(x: dict[str, Any], *, multi_rank: bool) -> str:
     t = x["type"]
+    # a stop agreed from another rank carries no step of its own
+    at = "(no step)" if x["step"] is None else f"@{x['step']}"
+    if multi_rank and x["rank"] is not None:
+        at += f" on rank {x['rank']}"
     if t == "DivergenceDetected":
         return (
-            f"divergence @{x['step']}: {x['metric']} {_g(x['value'])} "
-            f"(baseline {_g(x['baseline'])}) {x['reason']}"
+            f"divergence {at}: {x['metric']} {g(x['value'])} "
+            f"(baseline {g(x['baseline'])}) {x['reason']}"
         )
     if t == "MemoryLeakSuspected":
         return (
-            f"memory leak @{x['step']}: {x['metric']} +{x['rate_mb_per_step']:.3g} MB/step "
+            f"memory leak {at}: {x['metric']} +{x['rate_mb_per_step']:.3g} MB/step "
             f"over {x['window']} steps"
         )
-    return f"{'abort' if x['abort'] else 'stop'} @{x['step']} by {x['source']}: {x['reason']}"
+    return f"{'abort' if x['abort'] else 'stop'} {at} by {x['source']}: {x['reason']}"

@@ -1,9 +1,11 @@
-"""`eventbus tail`: one line per step of a (live) log, following it as it grows."""
+"""`eventbus tail`: one line per step of a (live) log, following it as it grows; a log to follow
+that does not exist yet (a run about to start) is waited for."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -46,7 +48,7 @@ def add_parser(sub: Any) -> None:
         type=float,
         default=None,
         metavar="SECONDS",
-        help="stop after this many seconds without new lines",
+        help="stop after this many seconds without new lines (or waiting for LOG to appear)",
     )
     t.add_argument(
         "--max-lines", type=int, default=None, metavar="N", help="stop after printing N lines"
@@ -63,16 +65,17 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:  # noqa: PLR0911 - one per stop reason
     """Print one line per step of a (live) log, then follow it."""
-    files = log_files([args.log])
+    if args.lines < 0 or (args.max_lines is not None and args.max_lines < 1):
+        raise UsageError("-n and --max-lines must be positive")
+    if args.interval <= 0 or (args.timeout is not None and args.timeout < 0):
+        raise UsageError("--interval must be positive and --timeout not negative")
+    log = Path(args.log)
+    files = log_files([log]) if args.no_follow else _wait_for(log, args.timeout, args.interval)
     if len(files) != 1:
         raise UsageError(
             f"tail follows one file; {args.log} holds {len(files)}: "
             + ", ".join(p.name for p in files)
         )
-    if args.lines < 0 or (args.max_lines is not None and args.max_lines < 1):
-        raise UsageError("-n and --max-lines must be positive")
-    if args.interval <= 0 or (args.timeout is not None and args.timeout < 0):
-        raise UsageError("--interval must be positive and --timeout not negative")
     path = files[0]
     steps = StepLines(path)
     printed = 0
@@ -122,6 +125,22 @@ def run(args: argparse.Namespace) -> int:  # noqa: PLR0911 - one per stop reason
             emit(steps.flush())
             return 0
         time.sleep(args.interval)
+
+
+def _wait_for(log: Path, timeout: float | None, interval: float) -> list[Path]:
+    """The files of `log` once it exists (a directory: once it holds a `*.jsonl` file), saying
+    on stderr that it waits; a `UsageError` if `timeout` seconds pass first."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    waiting = False
+    while not (log.exists() and (not log.is_dir() or any(log.glob("*.jsonl")))):
+        if not waiting:
+            bound = "Ctrl-C to stop" if timeout is None else f"up to {timeout:g} s"
+            print(f"eventbus: waiting for {log} to appear ({bound})", file=sys.stderr, flush=True)
+            waiting = True
+        if deadline is not None and time.monotonic() >= deadline:
+            raise UsageError(f"{log}: no such file or directory after waiting {timeout:g} s")
+        time.sleep(interval)
+    return log_files([log])
 
 
 class _Follower:

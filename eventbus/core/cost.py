@@ -12,18 +12,23 @@ count anything depends on.
 
 from __future__ import annotations
 
+import math
 import time
 import types
 from collections import deque
-from collections.abc import Callable, Coroutine, Generator, Mapping
-from typing import Any, Protocol
+from collections.abc import Callable, Coroutine, Generator, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from eventbus.events import BusCost, Event, RunEnded
 from eventbus.stats import CostStats
 
-__all__ = ["CostMeter", "CpuMeter", "PublishClock", "cpu_timed"]
+if TYPE_CHECKING:
+    from eventbus.core.delivery import Delivery
+
+__all__ = ["CostMeter", "CpuMeter", "PublishClock", "cpu_of", "cpu_timed"]
 
 RECENT = 4096  # steps kept for the per-step quantiles
+MIN_GAP_S = 1.0  # at most one BusCost a second: a loop of 100k tiny steps/s pays no more
 _NO_STEP = -(1 << 62)
 
 
@@ -78,13 +83,16 @@ class CostMeter:
         clock: PublishClock,
         every: int | None,
         subscriber_cpu: Callable[[], Mapping[str, float]] = dict,
+        min_gap_s: float | None = None,
     ) -> None:
         self.clock = clock
         self.every = every  # steps between `BusCost` events; None: none
         self.subscriber_cpu = subscriber_cpu  # each subscriber's CPU seconds, by name
+        self.min_gap_s = MIN_GAP_S if min_gap_s is None else min_gap_s
         self.published: Callable[[], int] = int  # events published (set by the bus loop)
         self.bus_cpu_s = 0.0  # the bus thread's CPU, as it read it at its last wake
         self._reported = _NO_STEP
+        self._last = -math.inf  # when the last report went out (monotonic)
 
     def sample(self) -> None:
         """On the bus thread: read its CPU time. (Reading another thread's clock races with
@@ -130,16 +138,17 @@ class CostMeter:
 
     def tick(self, publish: Callable[[Event], None]) -> None:
         """After a drain, on the bus thread: read its CPU; publish a `BusCost` when the step
-        passed a multiple of `every`."""
+        passed a multiple of `every` (at most one a second)."""
         self.sample()
         step = self.clock.step
         if self.every is None or step == _NO_STEP:
             return
         passed = step // self.every  # multiples of `every` passed
+        now = time.monotonic()
         if self._reported == _NO_STEP:  # the first step seen: no report for steps before it
             self._reported = passed
-        elif passed > self._reported:
-            self._reported = passed
+        elif passed > self._reported and now - self._last >= self.min_gap_s:
+            self._reported, self._last = passed, now
             publish(self.event())
 
     def fill(self, ev: RunEnded) -> None:
@@ -147,6 +156,20 @@ class CostMeter:
         if ev.cost is None:
             b = self.event()
             ev.cost = {k: getattr(b, k) for k in _TOTALS}
+
+
+def cpu_of(deliveries: Iterable[Delivery], remotes: Remotes | None) -> dict[str, float]:
+    """Each subscriber's CPU seconds, by name (cheap: no stats snapshot)."""
+    out = {d.name: d.cpu_s for d in deliveries}
+    if remotes is not None:
+        out.update(remotes.cpu_s())
+    return out
+
+
+class Remotes(Protocol):
+    """Subscribers held elsewhere (the sidecar process)."""
+
+    def cpu_s(self) -> dict[str, float]: ...
 
 
 _TOTALS = tuple(f for f in BusCost.__dataclass_fields__ if f not in Event.__dataclass_fields__)

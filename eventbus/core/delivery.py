@@ -86,6 +86,11 @@ class Delivery:
         self._markers = Markers()
 
     @property
+    def cpu_s(self) -> float:
+        """CPU seconds its calls took: on the loop (async) and in its worker (sync)."""
+        return (self.cpu_ns + self.worker.cpu_ns) / 1e9
+
+    @property
     def lossless(self) -> bool:
         """Whether the router waits for room in its queue (the `block` policy)."""
         return self.policy == "block"
@@ -360,7 +365,7 @@ class Delivery:
             latency_max_ms=lat[-1] if lat else None,
             error=self.last_error,
             queued_bytes=q.queued_bytes if q else 0,
-            cpu_s=(self.cpu_ns + self.worker.cpu_ns) / 1e9,
+            cpu_s=self.cpu_s,
         )
 
 

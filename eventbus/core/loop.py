@@ -240,7 +240,7 @@ class BusLoop:
     async def _route_until_closing(self) -> None:
         while not self.router.closing:
             await self.router.drain()
-            if self.cost is not None:
+            if self.cost is not None and self.inbox.calm():  # else at a calmer wake
                 self.cost.tick(self.handle.publish)
             if len(self.inbox):
                 await anyio.sleep(0)  # more arrived while routing: let subscribers run first

@@ -362,6 +362,10 @@ class Sidecar(Reports):
             subs[r.name] = r.stats()
         return replace(st, subscribers=subs, sidecar=self.stats(), hung=st.hung + self.hung)
 
+    def cpu_s(self) -> dict[str, float]:
+        """Each sidecar subscriber's CPU seconds, as the sidecar reported them."""
+        return {r.name: r.stats().cpu_s for r in self.remotes.values()}
+
     def names(self) -> set[str]:
         """The names of its subscribers (for checkpoints)."""
         return {r.name for r in self.remotes.values() if r.state is not State.REMOVED}

@@ -10,19 +10,19 @@ Tags: `{split}/loss` (train/loss), each `Scalars` key as given, `train/lr`, `tra
 `perf/samples_per_s`, `perf/tokens_per_s`, `{kind}/{name}/{stat}` and the histogram
 `{kind}/{name}` for TensorStats, text `run/config`, `divergence/detected` (+ scalar
 `divergence/marker` = 1 at the step), `memory/leak_suspected`, `run/stop`, `run/ended`.
+`RunStarted.config` reaches the HParams plugin at `RunEnded` (or close), with the run's
+`{split}/loss` and `eval/{metric}` tags as its metrics.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import math
 import os
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
-
-import orjson
 
 from eventbus.core import BusHandle
 from eventbus.events import (
@@ -39,13 +39,20 @@ from eventbus.events import (
     RunStarted,
     Scalars,
     StepEnded,
-    StopRequested,
     TensorStats,
 )
-from eventbus.log import get_logger
+from eventbus.log import RateLimiter, get_logger
 from eventbus.sinks._files import BuiltFromArguments, check_writable_dir, made_with
+from eventbus.sinks._runs import is_resume, run_dir, run_place
+from eventbus.sinks._tb_summaries import (
+    HParamsRun,
+    Unusable,
+    histogram,
+    hparams_summaries,
+    texts_of,
+)
 
-__all__ = ["TensorBoardSink"]
+__all__ = ["TensorBoardSink", "TensorBoardStats"]
 
 _MEMORY_FIELDS = (
     "rss_mb",
@@ -59,6 +66,15 @@ _MEMORY_FIELDS = (
 _TENSOR_STATS = ("norm", "mean", "std", "absmax", "nan_count", "inf_count")
 _COST = ("publish_ms_p50", "publish_ms_p99", "step_ms_p50", "share", "bus_cpu_s", "publish_s")
 Scalar = tuple[str, float, int]  # tag, value, step
+
+
+@dataclass(frozen=True, slots=True)
+class TensorBoardStats:
+    """What a TensorBoardSink wrote beyond scalars, and what it could not use."""
+
+    histograms: int = 0
+    histograms_unusable: int = 0  # TensorStats.histogram of a shape it cannot draw (logged)
+    hparams_runs: int = 0  # runs whose config reached the HParams plugin
 
 
 class TensorBoardSink(BuiltFromArguments):
@@ -109,12 +125,17 @@ class TensorBoardSink(BuiltFromArguments):
         self.flush_secs = flush_secs
         self.max_queue = max_queue
         self._purge_step = None if resume_from_step is None else resume_from_step + 1
+        self._restarted = False  # rebuilt after the sidecar died: append to its run
+        self._run_dir: Path | None = None  # chosen at the first events
         self._writers: dict[int, Any] = {}
         # (rank, step) -> ([(tag, value)], walltime of the first event): this batch's scalars
         self._pending: dict[tuple[int, int], tuple[list[tuple[str, float]], float | None]] = {}
         self._bus_rank = 0
         self._last_step: dict[int, int] = {}
         self._last_step_end: dict[int, int] = {}  # rank -> ts of the previous StepEnded
+        self._hparams: dict[int, HParamsRun] = {}  # rank -> its run's config and metric tags
+        self._counts = {"histograms": 0, "histograms_unusable": 0, "hparams_runs": 0}
+        self._unusable_log = RateLimiter(30.0)  # one warning per 30 s, with the count
 
     # -- subscriber hooks (run in this subscriber's worker thread) ---------------------------
 
@@ -123,10 +144,13 @@ class TensorBoardSink(BuiltFromArguments):
         if bus is not None:
             self._bus_rank = bus.rank
         if getattr(bus, "restarted", False):  # rebuilt after its sidecar died: purge nothing
-            self._purge_step = None
+            self._purge_step, self._restarted = None, True
 
     def on_events(self, batch: list[Event]) -> None:
         """Write each event's scalars, histograms and text."""
+        if self._run_dir is None:  # a run's first events: say whether it resumes the last
+            resume = self._restarted or self._purge_step is not None or is_resume(batch)
+            self._run_dir = run_place(lambda n: run_dir(self.log_dir, n), self._used, resume=resume)
         for ev in batch:
             rank = self._bus_rank if ev.rank is None else ev.rank
             if self.ranks is not None and rank not in self.ranks:
@@ -150,10 +174,21 @@ class TensorBoardSink(BuiltFromArguments):
             w.flush()
 
     def on_close(self) -> None:
-        """Flush and close the writers: the last events of the run are on disk after this."""
+        """Write the HParams of runs without a RunEnded, then flush and close the writers."""
+        for rank in list(self._hparams):
+            self._write_hparams(rank, None)
         writers, self._writers = self._writers, {}
         for w in writers.values():
             w.close()
+
+    def stats(self) -> TensorBoardStats:
+        """Histograms written and refused, runs given to the HParams plugin (the sidecar's copy
+        when it runs there)."""
+        if self._reported is not None:
+            st = self._reported()
+            if isinstance(st, TensorBoardStats):
+                return st
+        return TensorBoardStats(**self._counts)
 
     def state_dict(self) -> dict[str, Any]:
         """The last step written (a checkpoint's resume point)."""
@@ -164,6 +199,20 @@ class TensorBoardSink(BuiltFromArguments):
         step = state.get("step")
         if step is not None:
             self._resume(int(step))
+
+    @property
+    def run_dir(self) -> Path:
+        """Where this run writes: `log_dir`, or `log_dir/run-N` when an earlier run wrote
+        there and this one does not resume it (`eventbus.sinks._runs`)."""
+        if self._run_dir is None:
+            resume = self._restarted or self._purge_step is not None
+            return run_place(lambda n: run_dir(self.log_dir, n), self._used, resume=resume)
+        return self._run_dir
+
+    def _used(self, d: Path) -> bool:
+        """An earlier run wrote this rank's TensorBoard files in run directory `d`."""
+        single = self.ranks is not None and len(self.ranks) == 1
+        return any((d if single else d / f"rank{self._bus_rank}").glob("events.out.tfevents.*"))
 
     # -- writing ------------------------------------------------------------------------------
 
@@ -184,7 +233,8 @@ class TensorBoardSink(BuiltFromArguments):
             from torch.utils.tensorboard import SummaryWriter
 
             single = self.ranks is not None and len(self.ranks) == 1
-            d = self.log_dir if single else self.log_dir / f"rank{rank}"
+            self._run_dir = base = self.run_dir  # chosen for good once a file is opened
+            d = base if single else base / f"rank{rank}"
             w = SummaryWriter(
                 str(d),
                 purge_step=self._purge_step,
@@ -199,9 +249,11 @@ class TensorBoardSink(BuiltFromArguments):
             self._write_scalars()  # what came before the resume goes to the old writer
             self._resume(ev.step)
             return
-        if isinstance(ev, RunStarted) and ev.resumed_from_step is not None:
-            self._write_scalars()
-            self._resume(ev.resumed_from_step)
+        if isinstance(ev, RunStarted):
+            self._hparams[rank] = HParamsRun(ev.config)
+            if ev.resumed_from_step is not None:
+                self._write_scalars()
+                self._resume(ev.resumed_from_step)
         step = ev.step
         if step is None:
             step = self._last_step.get(rank, 0)
@@ -209,8 +261,14 @@ class TensorBoardSink(BuiltFromArguments):
             self._last_step[rank] = step
         wall = ev.ts / 1e9 if ev.ts is not None else None
         scalars = list(_scalars(ev, step, self._last_step_end, rank))
-        texts = list(_texts(ev, step))
-        hist = _histogram(ev) if isinstance(ev, TensorStats) else None
+        texts = list(texts_of(ev, step))
+        hist = self._histogram(ev) if isinstance(ev, TensorStats) else None
+        run = self._hparams.get(rank)
+        if run is not None and isinstance(ev, Loss | EvalEnded):
+            run.metrics.update((tag, v) for tag, v, _ in scalars)
+        if isinstance(ev, RunEnded):
+            self._write_scalars()  # the metrics' last values before the session ends
+            self._write_hparams(rank, ev.status)
         if not (scalars or texts or hist):
             return
         for tag, value, s in scalars:  # written together at the end of the batch
@@ -226,6 +284,33 @@ class TensorBoardSink(BuiltFromArguments):
                 w.add_histogram_raw(tag, global_step=step, walltime=wall, **hist[1])
             else:
                 w.add_histogram(tag, hist[1], step, walltime=wall)
+            self._counts["histograms"] += 1
+
+    def _histogram(self, ev: TensorStats) -> tuple[str, Any] | None:
+        """What to write for `ev.histogram`; a shape it cannot use is counted and logged."""
+        h = histogram(ev.histogram)
+        if not isinstance(h, Unusable):
+            return h
+        self._counts["histograms_unusable"] += 1
+        log, held = self._unusable_log.allow("histogram")
+        if log:
+            get_logger().warning(
+                "TensorStats.histogram not written: " + h.reason,
+                name=f"{ev.kind}/{ev.name}",
+                unusable_so_far=self._counts["histograms_unusable"],
+                not_logged_since=held,
+            )
+        return None
+
+    def _write_hparams(self, rank: int, status: str | None) -> None:
+        """The run's config and metric tags to the HParams plugin, once per RunStarted."""
+        run = self._hparams.pop(rank, None)
+        if run is None:
+            return
+        fw = self._writer(rank).file_writer
+        for summary in hparams_summaries(run, status):
+            fw.add_summary(summary, self._last_step.get(rank, 0))
+        self._counts["hparams_runs"] += 1
 
 
 def _num(v: Any) -> float | None:
@@ -291,40 +376,6 @@ def _throughput(ev: StepEnded, step: int, step_end: dict[int, int], rank: int) -
             yield f"perf/{name}_per_s", n / dur, step
 
 
-def _texts(ev: Event, step: int) -> Iterator[tuple[str, str]]:
-    match ev:
-        case RunStarted():
-            info = {
-                "run_id": ev.run_id,
-                "total_steps": ev.total_steps,
-                "world_size": ev.world_size,
-                "resumed_from_step": ev.resumed_from_step,
-            }
-            yield "run/config", _code(ev.config)
-            yield "run/info", _code({k: v for k, v in info.items() if v is not None})
-        case DivergenceDetected():
-            yield (
-                "divergence/detected",
-                (
-                    f"**step {ev.step}**: {ev.metric} = {ev.value} (baseline {ev.baseline}): "
-                    f"{ev.reason}"
-                ),
-            )
-        case MemoryLeakSuspected():
-            yield (
-                "memory/leak_suspected",
-                (
-                    f"**step {ev.step}**: {ev.metric} growing "
-                    f"{ev.rate_mb_per_step:.3f} MB/step over {ev.window} steps"
-                ),
-            )
-        case StopRequested():
-            kind = "abort" if ev.abort else "stop"
-            yield "run/stop", f"**{kind}** at step {step} by {ev.source}: {ev.reason}"
-        case RunEnded():
-            yield "run/ended", f"**{ev.status}** at step {step}: {ev.reason or ''}"
-
-
 def _purge(writer: Any, step: int) -> None:
     """What `SummaryWriter(purge_step=step)` writes first, written into an open file: a new
     file would be read after the old one only if its name sorted later, and within one second
@@ -334,60 +385,3 @@ def _purge(writer: Any, step: int) -> None:
 
     start = SessionLog(status=SessionLog.START)
     writer.file_writer.add_event(TBEvent(step=step, session_log=start))
-
-
-def _code(obj: Any) -> str:
-    try:
-        body = orjson.dumps(
-            obj, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS, default=str
-        ).decode()
-    except TypeError:
-        body = repr(obj)
-    return "```\n" + body + "\n```"
-
-
-def _histogram(ev: TensorStats) -> tuple[str, Any] | None:
-    """("raw", add_histogram_raw kwargs) for counts + edges, ("values", x) for raw values."""
-    h = ev.histogram
-    if h is None:
-        return None
-    counts: Any = None
-    edges: Any = None
-    if isinstance(h, dict):
-        counts = h.get("counts")
-        edges = h.get("edges", h.get("bin_edges", h.get("bins")))
-    elif isinstance(h, tuple | list) and len(h) == 2 and all(_seq(x) for x in h):
-        counts, edges = h
-    if counts is None or edges is None:
-        return ("values", h) if _seq(h) else None
-    c = [float(x) for x in _tolist(counts)]
-    e = [float(x) for x in _tolist(edges)]
-    if len(e) != len(c) + 1 or not c:
-        get_logger().warning(
-            "TensorStats.histogram ignored: need len(edges) == len(counts) + 1",
-            name=ev.name,
-            counts=len(c),
-            edges=len(e),
-        )
-        return None
-    centers = [(a + b) / 2 for a, b in itertools.pairwise(e)]
-    return (
-        "raw",
-        {
-            "min": e[0],
-            "max": e[-1],
-            "num": sum(c),
-            "sum": sum(n * x for n, x in zip(c, centers, strict=True)),
-            "sum_squares": sum(n * x * x for n, x in zip(c, centers, strict=True)),
-            "bucket_limits": e[1:],
-            "bucket_counts": c,
-        },
-    )
-
-
-def _seq(x: Any) -> bool:
-    return isinstance(x, list | tuple) or hasattr(x, "tolist")
-
-
-def _tolist(x: Any) -> list[Any]:
-    return list(x.tolist()) if hasattr(x, "tolist") else list(x)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import eventbus
 from eventbus.cli import main
 from eventbus.codec import encode
 from eventbus.events import Loss
@@ -174,3 +175,8 @@ def test_tail_waits_on_an_empty_or_header_only_file(
         log.write_bytes(content)
         assert main(["tail", str(log), "--no-follow"]) == 0
         assert capsys.readouterr() == ("", "")
+
+
+def test_version_is_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"eventbus {eventbus.__version__}\n"

@@ -140,3 +140,14 @@ def test_replay_refuses_to_write_over_its_input(
 ) -> None:
     assert main(["replay", str(demo), "-s", f"jsonl:{demo.parent}"]) == 2
     one_line_error(capsys, "is being replayed")
+
+
+@pytest.mark.parametrize("spec", ["memory", "memory:every=5", "eventbus.monitors:MemoryProfiler"])
+def test_replay_refuses_the_memory_profiler(
+    demo: Path, tmp_path: Path, spec: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    args = ["replay", str(demo), "-s", f"jsonl:{out}", spec]
+    assert main(args) == 2
+    one_line_error(capsys, spec, "MemoryProfiler measures the process it runs in")
+    assert not out.exists()  # refused before anything ran

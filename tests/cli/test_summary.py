@@ -13,8 +13,15 @@ import pytest
 from eventbus import Event, EventBus
 from eventbus.cli import main
 from eventbus.codec import encode
-from eventbus.events import DivergenceDetected, Loss, StepEnded
-from eventbus.logformat import SKIPPED_TYPE, STATS_TYPE, header, record
+from eventbus.events import (
+    DivergenceDetected,
+    Loss,
+    RunEnded,
+    RunStarted,
+    StepEnded,
+    StopRequested,
+)
+from eventbus.logformat import SKIPPED_TYPE, STATS_TYPE, header, record, write_events
 from eventbus.sinks import JsonlWriter
 
 
@@ -204,3 +211,185 @@ def test_json_summary_of_sums_past_64_bits(
     log.write_bytes(encode(Loss(step=1, value=1.0)) + big + big)
     assert main(["summary", "--json", str(log)]) == 0
     assert json.loads(capsys.readouterr().out)["losses"]["bus"]["published"] == 2**65 - 2
+
+
+# -- several runs side by side (issue 15, item 4) ----------------------------------------------
+
+
+def _run_dir(d: Path, *, run_id: str | None, lr: float, losses: list[float], rank: int = 0) -> Path:
+    """A run's directory: one rank's file with a RunStarted, losses and a RunEnded."""
+    d.mkdir(parents=True, exist_ok=True)
+    events: list[Event] = [RunStarted(config={"lr": lr, "seed": 1}, run_id=run_id, seq=0)]
+    events += [Loss(step=s, value=v, seq=s) for s, v in enumerate(losses, 1)]
+    events.append(RunEnded(status="completed", seq=len(losses) + 1))
+    for ev in events:
+        ev.rank = rank
+    path = d / f"events.rank{rank}.jsonl"
+    path.write_bytes(header(rank=rank, world_size=1) + b"".join(encode(e) for e in events))
+    return path
+
+
+def test_two_runs_side_by_side_one_column_each(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _run_dir(tmp_path / "a", run_id="baseline", lr=0.1, losses=[3.0, 2.0, 1.5])
+    _run_dir(tmp_path / "b", run_id=None, lr=0.3, losses=[4.0, 2.5])
+    assert main(["summary", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split("  ")[0]: line.split() for line in lines}
+    head = lines[0].split()
+    assert head == ["baseline", "b"]  # RunStarted.run_id, else the directory's name
+    assert rows["status"][-2:] == ["completed", "completed"]
+    assert rows["train loss last"][-4:] == ["1.5", "@3", "2.5", "@2"]
+    assert rows["config lr"][-2:] == ["0.1", "0.3"]
+    assert "config seed" not in rows  # the same in both: not a difference
+    col = lines[0].rindex(" b") + 1  # the second column starts where its name does
+    first = next(line for line in lines if line.startswith("train loss first"))
+    assert first[col:] == "4 @1"
+    assert first[:col].split()[-2:] == ["3", "@1"]
+
+
+def test_a_directory_of_runs_is_found_recursively_and_json_is_a_list(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs = tmp_path / "runs"
+    _run_dir(runs / "sweep" / "lr0.1", run_id=None, lr=0.1, losses=[2.0])
+    _run_dir(runs / "sweep" / "lr0.3", run_id=None, lr=0.3, losses=[4.0])
+    _run_dir(runs / "base", run_id=None, lr=0.2, losses=[3.0])
+    _run_dir(runs / ".hidden", run_id=None, lr=9.0, losses=[9.0])
+    (runs / "notes").mkdir()
+    assert main(["summary", "--json", str(runs)]) == 0
+    got = orjson.loads(capsys.readouterr().out)
+    assert [d["run"] for d in got] == ["base", "lr0.1", "lr0.3"]
+    assert [d["loss"]["train"]["last"][1] for d in got] == [3.0, 2.0, 4.0]
+    # one run under a directory: the single-run summary, as for the run's own directory
+    assert main(["summary", str(runs / "sweep" / "lr0.1")]) == 0
+    one = capsys.readouterr().out
+    assert main(["summary", "--json", str(runs / "base")]) == 0
+    assert isinstance(orjson.loads(capsys.readouterr().out), dict)
+    assert one.startswith("run:        ") and "steps:      1 (1 to 1)" in one
+
+
+def test_rank_files_of_one_run_stay_one_run_other_files_are_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ddp = tmp_path / "ddp"
+    r0 = _run_dir(ddp, run_id=None, lr=0.1, losses=[2.0], rank=0)
+    r1 = _run_dir(ddp, run_id=None, lr=0.1, losses=[2.0], rank=1)
+    assert main(["summary", str(r0), str(r1)]) == 0  # a shell glob of events.rank*.jsonl
+    out = capsys.readouterr().out
+    assert out.startswith("run:        ")
+    assert "ranks 0, 1" in out
+    # two files of the same rank in one directory are two runs; --merge reads them as one
+    other = tmp_path / "other"
+    a = _run_dir(other / "x", run_id=None, lr=0.1, losses=[2.0])
+    b = (other / "again.jsonl").resolve()
+    b.write_bytes(a.read_bytes())
+    c = other / "first.jsonl"
+    c.write_bytes(a.read_bytes())
+    assert main(["summary", "--json", str(b), str(c)]) == 0
+    assert [d["run"] for d in orjson.loads(capsys.readouterr().out)] == [
+        "again.jsonl",
+        "first.jsonl",
+    ]
+    assert main(["summary", "--json", "--merge", str(b), str(c)]) == 0
+    merged = orjson.loads(capsys.readouterr().out)
+    assert merged["files"] == [str(b), str(c)]
+
+
+def test_a_run_without_events_among_several_is_left_out_saying_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _run_dir(tmp_path / "a", run_id=None, lr=0.1, losses=[2.0])
+    _run_dir(tmp_path / "b", run_id=None, lr=0.1, losses=[3.0])
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "events.jsonl").write_bytes(header(rank=0))
+    assert main(["summary", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.splitlines()[0].split() == ["a", "b"]
+    assert "events.jsonl: no events, left out" in captured.err
+    assert main(["summary", str(tmp_path / "c")]) == 2  # alone: an error, as before
+    assert "no events" in capsys.readouterr().err
+
+
+def test_a_later_run_written_beside_the_first_is_a_run_of_its_own(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """JsonlWriter("exp/log.jsonl") run twice: the second run is `log.run-2.jsonl`."""
+    first = _run_dir(tmp_path / "exp", run_id=None, lr=0.1, losses=[2.0])
+    first.rename(tmp_path / "exp" / "log.jsonl")
+    second = _run_dir(tmp_path / "tmp", run_id=None, lr=0.2, losses=[5.0, 4.0])
+    second.rename(tmp_path / "exp" / "log.run-2.jsonl")
+    assert main(["summary", "--json", str(tmp_path / "exp")]) == 0
+    got = orjson.loads(capsys.readouterr().out)
+    assert [(d["run"], d["steps"]["count"]) for d in got] == [("exp", 1), ("run-2", 2)]
+
+
+# -- drops by design apart from losses; stops without a step (issue 15, item 7) ----------------
+
+
+def test_latest_policy_drops_are_by_design_not_losses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    subs = {
+        "jsonl": {"policy": "block", "dropped": 0, "failed": 0},
+        "progress": {"policy": "latest", "dropped": 2698, "failed": 0},
+        "user": {"policy": "drop_oldest", "dropped": 3, "failed": 1},
+        "old": {"dropped": 2, "failed": 0},  # a record from before `policy`: a loss
+    }
+    log = tmp_path / "events.jsonl"
+    log.write_bytes(encode(Loss(step=1, value=1.0)) + record(STATS_TYPE, bus={"subscribers": subs}))
+    assert main(["summary", str(log)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("losses:"))
+    assert line == (
+        "losses:     5 dropped, 1 failed, (user: 3 dropped, 1 failed; old: 2 dropped, 0 failed)"
+        "; by design: 2,698 superseded by newer events (progress: policy latest)"
+    )
+    assert main(["summary", "--json", str(log)]) == 0
+    losses = orjson.loads(capsys.readouterr().out)["losses"]
+    assert (losses["dropped"], losses["superseded"], losses["failed"]) == (5, 2698, 1)
+    assert losses["subscribers"]["progress"]["policy"] == "latest"
+
+
+def test_a_stop_without_a_step_is_named_with_its_rank(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    why = "loss diverged at step 5"
+    rank0: list[Event] = [Loss(step=s, value=1.0) for s in range(1, 6)]
+    rank0 += [StopRequested(step=5, reason=why, source="DivergenceDetector")]
+    rank1: list[Event] = [Loss(step=s, value=1.0) for s in range(1, 7)]
+    rank1 += [StopRequested(step=None, reason="stop requested on rank 0", source="rank 0")]
+    for rank, events in enumerate((rank0, rank1)):
+        for ev in events:
+            ev.rank = rank
+        write_events(tmp_path / f"events.rank{rank}.jsonl", events, rank=rank)
+    assert main(["summary", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "@None" not in out
+    assert f"  stop @5 on rank 0 by DivergenceDetector: {why}" in out
+    assert "  stop (no step) on rank 1 by rank 0: stop requested on rank 0" in out
+
+
+def test_a_file_holding_two_runs_is_said_to(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A log from before runs were kept apart (two runs appended): summary and plot warn;
+    a resumed run in the same file does not count as a second."""
+    lines = [header(rank=0, world_size=1)]
+    seq = 0
+    for resumed in (None, None, 3):
+        lines.append(encode(RunStarted(resumed_from_step=resumed, seq=seq, ts=1 + seq, rank=0)))
+        seq += 1
+        for s in range(1, 4):
+            lines.append(encode(Loss(step=s, value=float(s), seq=seq, ts=1 + seq, rank=0)))
+            seq += 1
+    path = tmp_path / "events.jsonl"
+    path.write_bytes(b"".join(lines))
+    assert main(["summary", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "warning:    events.jsonl holds 2 runs, one after the other" in out
+    assert main(["summary", "--json", str(path)]) == 0
+    assert "holds 2 runs" in orjson.loads(capsys.readouterr().out)["several_runs"]
+    pytest.importorskip("matplotlib")
+    assert main(["plot", str(path), "-o", str(tmp_path / "p.png")]) == 0
+    assert "holds 2 runs" in capsys.readouterr().err

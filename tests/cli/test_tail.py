@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -11,6 +13,8 @@ import pytest
 from eventbus.cli import main
 from eventbus.codec import encode
 from eventbus.events import Loss, RunEnded, StepEnded
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_tail_no_follow_prints_the_last_steps(
@@ -67,3 +71,35 @@ def test_tail_stops_at_run_end_or_after_the_idle_timeout(
         f.write(encode(RunEnded(status="completed")))
     assert main(["tail", str(log), "--timeout", "30"]) == 0  # returns at once: run ended
     assert capsys.readouterr().out.splitlines()[-1] == "-- run completed"
+
+
+def test_tail_waits_for_a_log_that_does_not_exist_yet(tmp_path: Path) -> None:
+    log = tmp_path / "run" / "events.jsonl"
+    cmd = [sys.executable, "-m", "eventbus.cli", "tail", str(log), "--max-lines", "1"]
+    cmd += ["--timeout", "60", "--interval", "0.02"]
+    with subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+    ) as proc:
+        try:
+            assert proc.stderr is not None
+            said = proc.stderr.readline()  # the file is written only once tail says it waits
+            assert said.startswith(f"eventbus: waiting for {log} to appear"), said
+            log.parent.mkdir()
+            log.write_bytes(encode(Loss(step=1, value=1.0)) + encode(Loss(step=2, value=2.0)))
+            out, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert out.splitlines() == ["step      1  loss 1"]
+
+
+def test_tail_gives_up_waiting_after_the_timeout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = tmp_path / "events.jsonl"
+    assert main(["tail", str(log), "--timeout", "0.1", "--interval", "0.02"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        f"eventbus: waiting for {log} to appear (up to 0.1 s)",
+        f"eventbus: error: {log}: no such file or directory after waiting 0.1 s",
+    ]

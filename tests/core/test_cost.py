@@ -12,6 +12,7 @@ import anyio
 import pytest
 
 from eventbus import Event, EventBus
+from eventbus.core import cost as cost_module
 from eventbus.core.cost import CostMeter, PublishClock, cpu_timed
 from eventbus.events import BusCost, EvalEnded, Loss, RunEnded
 from eventbus.logformat import read_log
@@ -153,9 +154,12 @@ def test_subscriber_cpu_is_theirs_and_not_their_waiting() -> None:
     assert st.cost.bus_cpu_s >= st.subscribers["async"].cpu_s
 
 
-def test_bus_cost_every_n_steps_reaches_the_jsonl_file(tmp_path: Path) -> None:
-    """`cost_every=10` over 50 paced steps: a `BusCost` for (about) each multiple of 10,
-    written like any other event, at a step the run reached."""
+def test_bus_cost_every_n_steps_reaches_the_jsonl_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`cost_every=10` over 50 paced steps: a `BusCost` for each multiple of 10, written
+    like any other event, at a step the run reached (the one-a-second floor lifted)."""
+    monkeypatch.setattr(cost_module, "MIN_GAP_S", 0.0)
     bus = EventBus(cost_every=10, drain_interval=0.01)
     bus.subscribe(JsonlWriter(tmp_path), placement="thread")
     rec = Recorder()
@@ -213,12 +217,28 @@ def test_bad_cost_every_is_refused(bad: object) -> None:
 def test_the_meter_reports_at_each_multiple_after_the_first_step_seen() -> None:
     """A run resumed at step 5003 with every=1000: reports at 6000, 7000, not at once."""
     clock = PublishClock()
-    meter = CostMeter(clock, 1000)
+    meter = CostMeter(clock, 1000, min_gap_s=0.0)
     out: list[Event] = []
     for step in (5003, 5500, 6000, 6001, 6999, 7000, 9500):
         clock.roll(step, step * 1000)
         meter.tick(out.append)
     assert [e.step for e in out] == [6000, 7000, 9500]
+
+
+def test_at_most_one_report_a_second() -> None:
+    """A loop of tiny steps passing a multiple of `every` at each wake: one report, then
+    none until a second has passed (what it missed is in the next one's totals)."""
+    clock = PublishClock()
+    meter = CostMeter(clock, 10)
+    out: list[Event] = []
+    for step in range(0, 200, 10):
+        clock.roll(step, step)
+        meter.tick(out.append)
+    assert [e.step for e in out] == [10]
+    meter._last -= 1.0  # a second later
+    clock.roll(200, 200)
+    meter.tick(out.append)
+    assert [e.step for e in out] == [10, 200]
 
 
 class _Meter:

@@ -10,7 +10,7 @@ import pytest
 from eventbus import EventBus
 from eventbus.events import CheckpointLoaded, Loss, RunStarted
 from eventbus.logformat import read_log
-from eventbus.sinks import JsonlWriter
+from eventbus.sinks import JsonlWriter, TensorBoardSink
 from eventbus.sinks._runs import is_resume, run_place
 
 
@@ -94,3 +94,42 @@ def test_the_rules() -> None:
     assert is_resume([CheckpointLoaded(step=3)])
     assert not is_resume([RunStarted(), CheckpointLoaded(step=3)])
     assert not is_resume([Loss(step=1, value=0.0)])
+
+
+def _tb(log_dir: Path, steps: range, *, resumed_from: int | None = None) -> TensorBoardSink:
+    sink = TensorBoardSink(log_dir)
+    bus = EventBus(drain_interval=0.005, cost_every=None)
+    bus.subscribe(sink, placement="thread")
+    with bus:
+        bus.publish(RunStarted(resumed_from_step=resumed_from))
+        for s in steps:
+            bus.publish(Loss(step=s, value=float(s)))
+    return sink
+
+
+def _tb_steps(d: Path) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(d), size_guidance={"scalars": 0})
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars("train/loss")]
+
+
+def test_tensorboard_runs_never_double_a_curve(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Twice into one log_dir: TensorBoard shows two runs, not one with every point twice;
+    a resume continues the newest, purging what came after its step."""
+    from tensorboard.summary.writer import event_file_writer
+
+    # The resumed run's new file must sort after the old one; within one second the names
+    # end in a process-wide counter (a resumed process starts at a later second anyway).
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(0))
+    a = _tb(tmp_path, range(1, 4))
+    b = _tb(tmp_path, range(1, 3))
+    assert (a.run_dir, b.run_dir) == (tmp_path, tmp_path / "run-2")
+    assert _tb_steps(tmp_path) == [(1, 1.0), (2, 2.0), (3, 3.0)]
+    assert _tb_steps(tmp_path / "run-2") == [(1, 1.0), (2, 2.0)]
+    c = _tb(tmp_path, range(2, 4), resumed_from=1)
+    assert c.run_dir == tmp_path / "run-2"
+    assert _tb_steps(tmp_path / "run-2") == [(1, 1.0), (2, 2.0), (3, 3.0)]

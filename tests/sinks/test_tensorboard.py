@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ from eventbus.events import (
     Loss,
     MemorySample,
     OptimizerStepped,
+    RunEnded,
     RunStarted,
     Scalars,
     StepEnded,
@@ -146,6 +149,177 @@ def test_tensor_stats_histograms(tmp_path: Path) -> None:
     assert raw.max == 9.0
     assert "weights/no.hist" not in acc.Tags()["histograms"]
     assert _scalars(acc, "weights/fc.weight/norm") == [(1, 2.0)]
+
+
+def test_watched_model_histograms_read_back_with_their_counts_and_limits(tmp_path: Path) -> None:
+    """watch(histogram=True) end to end: its {min, max, counts} become TensorBoard histograms
+    whose buckets are the watched tensor's torch.histc bins (issue 15, item 5)."""
+    import torch
+
+    import eventbus.torch as et
+
+    torch.manual_seed(0)
+    first, last = torch.nn.Linear(6, 5), torch.nn.Linear(5, 2)
+    model = torch.nn.Sequential(first, torch.nn.Tanh(), last)
+    sink = TensorBoardSink(tmp_path)
+    bus = EventBus(drain_interval=0.002, close_timeout=30)
+    bus.subscribe(sink, placement="thread")
+    with bus, et.watch(model, bus, every=1, histogram=True, bins=8):
+        weight = first.weight.detach().clone()
+        model(torch.randn(4, 6)).sum().backward()
+        assert last.weight.grad is not None
+        grad = last.weight.grad.detach().clone()
+    assert bus.stats()["tensorboard"].failed == 0
+    acc = _read(tmp_path)
+    tags = acc.Tags()["histograms"]
+    names = [n for n, _ in model.named_parameters()]
+    assert {f"weights/{n}" for n in names} | {f"grads/{n}" for n in names} <= set(tags)
+    assert "activations/1" in tags
+    st = sink.stats()
+    assert st.histograms == len(tags) > 0
+    assert st.histograms_unusable == 0
+    for tag, t in (("weights/0.weight", weight), ("grads/2.weight", grad)):
+        (h,) = acc.Histograms(tag)
+        v = h.histogram_value
+        lo, hi = t.min().item(), t.max().item()
+        assert (v.min, v.max) == (pytest.approx(lo), pytest.approx(hi))
+        assert v.num == t.numel()
+        expected = torch.histc((t - lo) / (hi - lo), bins=8, min=0, max=1)
+        assert list(v.bucket) == expected.tolist()
+        edges = torch.linspace(lo, hi, 9, dtype=torch.float64)[1:].tolist()
+        assert list(v.bucket_limit) == pytest.approx(edges)
+
+
+def test_histogram_shapes_and_unusable_ones_counted_and_logged_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    def stats(name: str, h: Any) -> TensorStats:
+        return TensorStats(step=1, name=name, kind="weights", histogram=h)
+
+    with caplog.at_level(logging.WARNING, logger="eventbus"):
+        sink = _run(
+            tmp_path,
+            [
+                stats("range", {"min": -1.0, "max": 1.0, "counts": [1, 0, 3, 4]}),
+                stats("same", {"min": 2.0, "max": 2.0, "counts": [5, 0, 0]}),
+                stats("all_nan", {"min": math.inf, "max": -math.inf, "counts": [0, 0]}),
+                stats("pair", ([2, 2], [0.0, 0.5, 1.0])),
+                stats("values", [1.0, 2.0, 2.0]),
+                stats("bad_keys", {"hist": [1, 2]}),
+                stats("bad_edges", {"counts": [1, 2], "edges": [0.0, 1.0]}),
+                stats("bad_type", "0.5"),
+            ],
+        )
+    acc = _read(tmp_path)
+    v = acc.Histograms("weights/range")[0].histogram_value
+    assert list(v.bucket) == [1.0, 0.0, 3.0, 4.0]
+    assert list(v.bucket_limit) == [-0.5, 0.0, 0.5, 1.0]
+    same = acc.Histograms("weights/same")[0].histogram_value
+    assert (same.min, same.max, same.num) == (2.0, 2.0, 5.0)
+    assert acc.Histograms("weights/pair")[0].histogram_value.num == 4
+    assert acc.Histograms("weights/values")[0].histogram_value.num == 3
+    written = {t.removeprefix("weights/") for t in acc.Tags()["histograms"]}
+    assert written == {"range", "same", "pair", "values"}
+    assert (sink.stats().histograms, sink.stats().histograms_unusable) == (4, 3)
+    warnings = [r for r in caplog.records if "TensorStats.histogram not written" in r.getMessage()]
+    assert len(warnings) == 1  # rate-limited: the first says why, later ones are counted
+    assert "counts with min and max" in warnings[0].getMessage()
+
+
+def test_run_config_reaches_the_hparams_plugin_with_final_metrics(tmp_path: Path) -> None:
+    from tensorboard.plugins.hparams import api_pb2, metadata
+
+    sink = _run(
+        tmp_path,
+        [
+            RunStarted(config={"lr": 0.1, "model": {"layers": 2, "act": "gelu"}, "ids": [1, 2]}),
+            *(Loss(step=s, value=1.0 / s) for s in (1, 2, 4)),
+            EvalEnded(step=4, metrics={"accuracy": 0.75}),
+            RunEnded(status="stopped", reason="early stop"),
+        ],
+    )
+    assert sink.stats().hparams_runs == 1
+    acc = _read(tmp_path)
+    content = acc.PluginTagToContent(metadata.PLUGIN_NAME)
+    start = metadata.parse_session_start_info_plugin_data(content[metadata.SESSION_START_INFO_TAG])
+    hp = {k: start.hparams[k].WhichOneof("kind") for k in start.hparams}
+    assert hp == {
+        "lr": "number_value",
+        "model.layers": "number_value",
+        "model.act": "string_value",
+        "ids": "string_value",
+    }
+    assert start.hparams["lr"].number_value == 0.1
+    assert start.hparams["model.act"].string_value == "gelu"
+    assert start.hparams["ids"].string_value == "[1,2]"
+    exp = metadata.parse_experiment_plugin_data(content[metadata.EXPERIMENT_TAG])
+    metrics = [m.name.tag for m in exp.metric_infos]
+    assert metrics == ["train/loss", "eval/accuracy"]
+    # the plugin shows each metric tag's last value: the run's final loss and accuracy
+    assert _scalars(acc, "train/loss")[-1] == (4, 0.25)
+    assert _scalars(acc, "eval/accuracy")[-1] == (4, 0.75)
+    end = metadata.parse_session_end_info_plugin_data(content[metadata.SESSION_END_INFO_TAG])
+    assert end.status == api_pb2.Status.Value("STATUS_SUCCESS")
+
+
+def test_tensorboards_hparams_plugin_compares_two_runs_by_config_and_final_metrics(
+    tmp_path: Path,
+) -> None:
+    """The plugin's own session-group listing (what its HParams tab shows) over two runs."""
+    from tensorboard import context
+    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+    from tensorboard.plugins import base_plugin
+    from tensorboard.plugins.hparams import api_pb2, backend_context, list_session_groups
+
+    for name, lr in (("a", 0.1), ("b", 0.3)):
+        _run(
+            tmp_path / name,
+            [
+                RunStarted(config={"lr": lr, "opt": {"name": "adam"}}),
+                *(Loss(step=s, value=lr * 10 / s) for s in range(1, 6)),
+                EvalEnded(step=5, metrics={"acc": 0.5 + lr}),
+                RunEnded(status="completed"),
+            ],
+        )
+    mux = plugin_event_multiplexer.EventMultiplexer()
+    mux.AddRunsFromDirectory(str(tmp_path))
+    mux.Reload()
+    provider = data_provider.MultiplexerDataProvider(mux, str(tmp_path))
+    tb = base_plugin.TBContext(logdir=str(tmp_path), multiplexer=mux, data_provider=provider)
+    request = api_pb2.ListSessionGroupsRequest(
+        start_index=0, slice_size=10, allowed_statuses=[api_pb2.STATUS_SUCCESS]
+    )
+    handler = list_session_groups.Handler(
+        context.RequestContext(), backend_context.Context(tb), "", request
+    )
+    got = {
+        group.name: (
+            group.hparams["lr"].number_value,
+            group.hparams["opt.name"].string_value,
+            {m.name.tag: (round(m.value, 6), m.training_step) for m in group.metric_values},
+        )
+        for group in handler.run().session_groups
+    }
+    assert got == {
+        "a": (0.1, "adam", {"train/loss": (0.2, 5), "eval/acc": (0.6, 5)}),
+        "b": (0.3, "adam", {"train/loss": (0.6, 5), "eval/acc": (0.8, 5)}),
+    }
+
+
+def test_hparams_written_at_close_when_the_run_never_ended(tmp_path: Path) -> None:
+    from tensorboard.plugins.hparams import api_pb2, metadata
+
+    # a crashed run's log replayed: no RunEnded ever arrives (a live bus would publish one)
+    sink = TensorBoardSink(tmp_path)
+    sink.on_events([RunStarted(config={"seed": 3}), Loss(step=1, value=2.0)])
+    assert sink.stats().hparams_runs == 0
+    sink.on_close()
+    assert sink.stats().hparams_runs == 1
+    content = _read(tmp_path).PluginTagToContent(metadata.PLUGIN_NAME)
+    end = metadata.parse_session_end_info_plugin_data(content[metadata.SESSION_END_INFO_TAG])
+    assert end.status == api_pb2.Status.Value("STATUS_UNKNOWN")
+    start = metadata.parse_session_start_info_plugin_data(content[metadata.SESSION_START_INFO_TAG])
+    assert start.hparams["seed"].number_value == 3
 
 
 @dataclass(slots=True, kw_only=True)
