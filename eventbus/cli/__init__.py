@@ -1,9 +1,10 @@
-"""The `eventbus` command: replay, summary, tail and plot for recorded JSONL logs.
+"""The `eventbus` command: replay, summary, tail and plot for recorded JSONL logs; bench.
 
     eventbus replay LOG... --subscribe SPEC... [--out FILE]
     eventbus summary LOG... [--json]
     eventbus tail LOG [-n N] [--no-follow] [--timeout S] [--max-lines N]
     eventbus plot LOG... -o report.png
+    eventbus bench STEP --subscribe SPEC... [--steps N] [--rounds R] [--json [FILE]] [--plot F]
 
 SPEC: `jsonl:DIR`, `tensorboard:DIR`, `divergence`, `memory`, `progress` (options as
 `divergence:action=warn,window=50`), or `module:factory` (imported with importlib).
@@ -21,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from eventbus.cli import plot, replay, summary, tail
+from eventbus.cli import bench, plot, replay, summary, tail
 from eventbus.cli._errors import UsageError, fail
 from eventbus.codec import EventDecodeError
 from eventbus.version import __version__
@@ -39,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="hide warnings from the library")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for command in (replay, summary, tail, plot):
+    for command in (replay, summary, tail, plot, bench):
         command.add_parser(sub)
     return p
 
