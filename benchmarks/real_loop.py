@@ -29,6 +29,13 @@ added to it differs):
                             wake of the bus thread costs CPU); run only when named;
   eventbus_nocost           eventbus with `cost_every=None`: no cost report (its own cost is
                             eventbus's overhead less this one's); run only when named;
+  mlflow_inline             MLflow's client on the training thread: `.item()` of loss and
+                            grad norm, one `log_batch` of the three values each step, to a
+                            local sqlite store (as `mlflow.log_metrics` does); run only when
+                            named (`benchmarks/_trackers.py`);
+  eventbus_wandb, eventbus_mlflow
+                            eventbus plus `WandbSink` (offline) or `MLflowSink` (the same
+                            sqlite store kind), in the sidecar; run only when named;
   compiled_none, compiled_inline, compiled_eventbus, compiled_eventbus_watch50
                             the same loops with `torch.compile(model)` (default inductor);
                             for the watched one, `watch()` hooks the eager module (not the
@@ -89,7 +96,7 @@ from benchmarks._gpt import CPU_TINY, GPT, GPT2_SMALL, GPTConfig, random_batches
 from benchmarks._util import flatten, interleave_blocks, machine, percentile, summarize, versions
 from benchmarks.stall import _other_threads_cpu_s
 
-__all__ = ["COMPILED", "EAGER", "EXTRA", "VARIANTS", "measure", "run"]
+__all__ = ["COMPILED", "EAGER", "EXTRA", "TRACKERS", "VARIANTS", "measure", "run"]
 
 EAGER = ("none", "inline", "wandb", "eventbus", "eventbus_watch50", "eventbus_watch1")
 COMPILED = (
@@ -100,7 +107,9 @@ COMPILED = (
 )
 # Asked for by name (`--variants`): the bus waking every 20 / 100 ms instead of 50 ms.
 EXTRA = ("eventbus_drain20", "eventbus_drain100", "eventbus_nocost")
-VARIANTS = EAGER + COMPILED + EXTRA
+# Trackers behind the bus next to the same client inline (issue 16; `benchmarks/_trackers.py`).
+TRACKERS = ("mlflow_inline", "eventbus_wandb", "eventbus_mlflow")
+VARIANTS = EAGER + COMPILED + EXTRA + TRACKERS
 WATCH_EVERY = 50
 WARMUP_NUMBERS = (0, 1, 2, WATCH_EVERY, WATCH_EVERY + 1)  # two watched steps for every=50
 LR = 6e-4
@@ -274,6 +283,13 @@ class Inline(Variant):
         self.file.close()
 
 
+def mlflow_missing() -> str | None:
+    """Why the MLflow rows cannot run here (None: they can): the client and a sqlite store."""
+    if any(importlib.util.find_spec(m) is None for m in ("mlflow", "sqlalchemy", "alembic")):
+        return "mlflow is not importable in this environment; the mlflow row was not measured"
+    return None
+
+
 def wandb_missing() -> str | None:
     """Why the wandb variant cannot run here (None: it can)."""
     if importlib.util.find_spec("wandb") is None:
@@ -360,6 +376,8 @@ class Bus(Variant):
         bus.subscribe(DivergenceDetector(action="warn"))
         bus.subscribe(MemoryProfiler(snapshot_dir=d / "snapshots"))
         bus.subscribe(SpeedMonitor(every=10))
+        for sink in self.trackers(d):
+            bus.subscribe(sink)
         self.bus = self.target.bus = bus.start()
         # The sidecar starts at the first subscribe; in a run it overlaps the set-up, here
         # the untimed open waits for it (as SummaryWriter's and W&B's set-up are untimed).
@@ -373,12 +391,20 @@ class Bus(Variant):
                 self.model.module, self.target, every=self.watch_every, histogram=self.histogram
             )
 
+    def trackers(self, d: Path) -> list[Any]:
+        """Sinks subscribed besides the built-ins (`benchmarks/_trackers.py`); here none."""
+        return []
+
     def _close(self) -> None:
         st = self.bus.close()
         self.bus = None
         self.count("published", st.published)
         self.count("dropped", st.dropped)
         self.count("failed", st.failed)
+        for sink in ("wandb", "mlflow"):
+            if sink in st.subscribers:
+                self.count(f"{sink}_dropped", st.subscribers[sink].dropped)
+                self.count(f"{sink}_failed", st.subscribers[sink].failed)
         jsonl = st.subscribers.get("jsonl")
         if jsonl is not None:
             self.count("jsonl_lost", jsonl.published - jsonl.delivered)
@@ -461,6 +487,10 @@ def _build(
             )
         elif base == "eventbus_watch1":
             v = Bus(name, model(name, compiled, True), root, watch_every=1, histogram=False)
+        elif base in TRACKERS:
+            from benchmarks._trackers import build  # it builds on this module's classes
+
+            v = build(base, name, shared, root)
         else:
             raise ValueError(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
         out[name] = v
@@ -558,7 +588,11 @@ def _resolve(
     if missing is not None and any(v.removeprefix("compiled_") == "wandb" for v in variants):
         notes.append(missing)
         variants = tuple(v for v in variants if v.removeprefix("compiled_") != "wandb")
-    if "none" not in variants and any(v in EAGER for v in variants):
+    for client, why in (("wandb", missing), ("mlflow", mlflow_missing())):
+        if why is not None and any(v in TRACKERS and client in v for v in variants):
+            notes.append(why.replace(f"the {client} row was", f"the {client} tracker rows were"))
+            variants = tuple(v for v in variants if not (v in TRACKERS and client in v))
+    if "none" not in variants and any(v in EAGER + TRACKERS for v in variants):
         variants = ("none", *variants)
     if "compiled_none" not in variants and any(v in COMPILED for v in variants):
         variants = (*variants, "compiled_none")

@@ -17,33 +17,26 @@ Tags: `{split}/loss` (train/loss), each `Scalars` key as given, `train/lr`, `tra
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from eventbus.core import BusHandle
 from eventbus.events import (
-    BusCost,
     CheckpointLoaded,
-    DivergenceDetected,
     EvalEnded,
     Event,
     Loss,
-    MemoryLeakSuspected,
-    MemorySample,
-    OptimizerStepped,
     RunEnded,
     RunStarted,
-    Scalars,
-    StepEnded,
     TensorStats,
 )
 from eventbus.log import RateLimiter, get_logger
 from eventbus.sinks._files import BuiltFromArguments, check_writable_dir, made_with
 from eventbus.sinks._runs import is_resume, run_dir, run_place
+from eventbus.sinks._scalars import scalars as _scalars
 from eventbus.sinks._tb_summaries import (
     HParamsRun,
     Unusable,
@@ -53,19 +46,6 @@ from eventbus.sinks._tb_summaries import (
 )
 
 __all__ = ["TensorBoardSink", "TensorBoardStats"]
-
-_MEMORY_FIELDS = (
-    "rss_mb",
-    "rss_peak_mb",
-    "allocated_mb",
-    "reserved_mb",
-    "peak_allocated_mb",
-    "alloc_retries",
-    "ooms",
-)
-_TENSOR_STATS = ("norm", "mean", "std", "absmax", "nan_count", "inf_count")
-_COST = ("publish_ms_p50", "publish_ms_p99", "step_ms_p50", "share", "bus_cpu_s", "publish_s")
-Scalar = tuple[str, float, int]  # tag, value, step
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,69 +291,6 @@ class TensorBoardSink(BuiltFromArguments):
         for summary in hparams_summaries(run, status):
             fw.add_summary(summary, self._last_step.get(rank, 0))
         self._counts["hparams_runs"] += 1
-
-
-def _num(v: Any) -> float | None:
-    """A plain float from a number or a one-element CPU tensor (already on the host)."""
-    if v is None or isinstance(v, bool):
-        return None
-    if isinstance(v, int | float):
-        return float(v)
-    if hasattr(v, "numel") and v.numel() == 1:
-        return float(v.item())  # a CPU tensor (captured at publish): no device sync here
-    return None
-
-
-def _scalars(ev: Event, step: int, step_end: dict[int, int], rank: int) -> Iterator[Scalar]:
-    match ev:
-        case Loss():
-            v = _num(ev.value)
-            if v is not None:
-                yield f"{ev.split}/loss", v, step
-        case Scalars():
-            yield from _named(ev.values.items(), "", step)
-        case OptimizerStepped():
-            yield from _named((("lr", ev.lr), ("grad_norm", ev.grad_norm)), "train/", step)
-        case EvalEnded():
-            yield from _named(ev.metrics.items(), "eval/", step)
-        case MemorySample():
-            yield from _named(((f, getattr(ev, f)) for f in _MEMORY_FIELDS), "memory/", step)
-        case MemoryLeakSuspected():
-            yield from _named((("leak_rate_mb_per_step", ev.rate_mb_per_step),), "memory/", step)
-        case StepEnded():
-            yield from _throughput(ev, step, step_end, rank)
-        case TensorStats():
-            base = f"{ev.kind}/{ev.name}/" if ev.name else f"{ev.kind}/"
-            yield from _named(((f, getattr(ev, f)) for f in _TENSOR_STATS), base, step)
-        case DivergenceDetected():
-            yield "divergence/marker", 1.0, step
-        case BusCost():
-            yield from _named(((f, getattr(ev, f)) for f in _COST), "eventbus/", step)
-            yield from _named(ev.subscriber_cpu_s.items(), "eventbus/cpu_s/", step)
-
-
-def _named(items: Iterable[tuple[str, Any]], prefix: str, step: int) -> Iterator[Scalar]:
-    for k, v in items:
-        x = _num(v)
-        if x is not None:  # zero is a value: only None (unknown) is skipped
-            yield f"{prefix}{k}", x, step
-
-
-def _throughput(ev: StepEnded, step: int, step_end: dict[int, int], rank: int) -> Iterator[Scalar]:
-    dur = _num(ev.duration_s)
-    prev = step_end.get(rank)
-    if ev.ts is not None:
-        step_end[rank] = ev.ts
-        if dur is None and prev is not None and ev.ts > prev:
-            dur = (ev.ts - prev) / 1e9  # no duration given: the time since the last step
-    if dur is None or dur <= 0 or not math.isfinite(dur):
-        return
-    yield "perf/step_time_s", dur, step
-    yield "perf/steps_per_s", 1.0 / dur, step
-    for name in ("samples", "tokens"):
-        n = _num(getattr(ev, name))
-        if n is not None:
-            yield f"perf/{name}_per_s", n / dur, step
 
 
 def _purge(writer: Any, step: int) -> None:
