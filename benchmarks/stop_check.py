@@ -1,4 +1,4 @@
-"""The cost of an agreed `bus.should_stop` check: one all_reduce(MAX) of 3 ints per check.
+"""The cost of an agreed `bus.should_stop` check: one all_reduce(MAX) of 4 ints per check.
 
 Run under torchrun (gloo on CPU):
 

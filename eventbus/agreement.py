@@ -1,13 +1,15 @@
-"""Agreed stop: `bus.should_stop` decided by all ranks together, at the same check.
+"""Agreed stop and save: `bus.should_stop` decided by all ranks together, at the same check.
 
 A stop asked on one rank (a monitor saw NaN there) must stop every rank at the same step, or
-the others wait forever in their next collective. Each check is one all_reduce(MAX) of three
-ints (stop, abort, requesting rank + 1) over the job's process group; every rank takes part
-in every check whether it asked or not, so nothing waits for a rank that has nothing to say.
+the others wait forever in their next collective. Each check is one all_reduce(MAX) of four
+ints (stop, abort, stopping rank + 1, saving rank + 1) over the job's process group; every rank
+takes part in every check whether it asked or not, so nothing waits for a rank that has
+nothing to say. A save asked on one rank (`eventbus ctl save` reaches rank 0) rides the same
+collective: at the check that carries it, `control.save_requested` turns True on every rank.
 
-    rank 0: should_stop -> all_reduce([0, 0, 0]) --+
-                                                  +--> [1, 0, 2] on both: stop, asked on rank 1
-    rank 1: should_stop -> all_reduce([1, 0, 2]) --+
+    rank 0: should_stop -> all_reduce([0, 0, 0, 1]) --+
+                                                     +--> [1, 0, 2, 1] on both: stop, asked
+    rank 1: should_stop -> all_reduce([1, 0, 2, 0]) --+    on rank 1; save, asked on rank 0
 
 Checks run on every `every`-th call (the calls between return the last agreed value), only on
 the thread that made the first call, only in the process that created the bus. Once a stop is
@@ -87,6 +89,8 @@ class StopAgreement:
         dist = _dist()
         if dist is None:
             self._warn_once()
+            if self.control.save_pending:
+                self.control.save_agreed()  # nobody to agree with yet: this rank's own
             return stop, abort
         tid = threading.get_ident()
         if self._owner is None:
@@ -120,26 +124,42 @@ class StopAgreement:
         """One collective (or, with overlap, read the previous one and start the next)."""
         import torch
 
-        rank = dist.get_rank()
-        local = [int(stop or abort), int(abort), rank + 1 if (stop or abort) else 0]
         if self._dev is None:
             self._setup(dist, torch)
         if not self.overlap:
-            self._start(dist, torch, local)
-            return self._finish()
-        result = self._finish() if self._work is not None else None  # none yet at check 1
-        if result is None or not result[0]:
-            self._start(dist, torch, local)  # every rank read the same result: all start
+            self._start(dist, torch, self._local(dist, stop, abort))
+            return self._read()
+        result = self._read() if self._work is not None else None  # none yet at check 1
+        if result is None or not result[0]:  # every rank read the same result: all start
+            self._start(dist, torch, self._local(dist, stop, abort))
         return result
+
+    def _local(self, dist: Any, stop: bool, abort: bool) -> list[int]:
+        """This rank's part: read after the previous result, so a save it carried is not
+        sent twice."""
+        me = dist.get_rank() + 1
+        return [
+            int(stop or abort),
+            int(abort),
+            me if (stop or abort) else 0,
+            me if self.control.save_pending else 0,
+        ]
+
+    def _read(self) -> tuple[int, int, int]:
+        """The collective's result: (stop, abort, requester); a save in it is handed over."""
+        stop, abort, requester, saver = self._finish()
+        if saver:
+            self.control.save_agreed(asked_on=saver - 1)
+        return stop, abort, requester
 
     def _setup(self, dist: Any, torch: Any) -> None:
         backend = str(dist.get_backend(self.group))
         if "gloo" in backend or "nccl" not in backend:
-            self._dev = torch.zeros(3, dtype=torch.int64)
+            self._dev = torch.zeros(4, dtype=torch.int64)
         else:  # NCCL only reduces CUDA tensors: a buffer on this rank's current device
             dev = torch.device("cuda", torch.cuda.current_device())
-            self._dev = torch.zeros(3, dtype=torch.int64, device=dev)
-            self._host = torch.zeros(3, dtype=torch.int64).pin_memory()
+            self._dev = torch.zeros(4, dtype=torch.int64, device=dev)
+            self._host = torch.zeros(4, dtype=torch.int64).pin_memory()
             self._done = torch.cuda.Event()
 
     def _start(self, dist: Any, torch: Any, local: list[int]) -> None:
@@ -149,7 +169,7 @@ class StopAgreement:
             self._work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
             return
         host = self._host
-        host[0], host[1], host[2] = local  # pinned host memory; the last copy from it is done
+        host[0], host[1], host[2], host[3] = local  # pinned; the last copy from it is done
         buf.copy_(host, non_blocking=True)  # async H2D from pinned memory: no sync
         work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         work.wait()  # NCCL: makes the current stream wait for the collective; no host wait
@@ -157,7 +177,7 @@ class StopAgreement:
         self._done.record()
         self._work = work
 
-    def _finish(self) -> tuple[int, int, int]:
+    def _finish(self) -> tuple[int, int, int, int]:
         if self._host is None:
             self._work.wait()  # gloo: the collective itself, on CPU (no device involved)
             out = self._dev.tolist()
@@ -169,7 +189,7 @@ class StopAgreement:
             out = self._host.tolist()
         self._work = None
         self.checks += 1
-        return out[0], out[1], out[2]
+        return out[0], out[1], out[2], out[3]
 
     def _decide(self, dist: Any, stop: int, abort: int, requester: int) -> None:
         if not stop:

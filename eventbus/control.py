@@ -1,4 +1,4 @@
-"""`bus.control`: how monitors and users ask the training loop to stop or abort."""
+"""`bus.control`: how monitors and users ask the training loop to stop, abort or save."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from eventbus.events import StopRequested
+from eventbus.events import SaveRequested, StopRequested
 
 __all__ = ["AbortRequested", "Control"]
 
@@ -16,7 +16,7 @@ class AbortRequested(RuntimeError):
 
 
 class Control:
-    """Stop / abort flags shared by every thread; reading them costs an attribute lookup."""
+    """Stop / abort / save flags shared by every thread; reading them costs an attribute lookup."""
 
     def __init__(self, publish: Callable[[Any], None]) -> None:
         self._publish = publish
@@ -25,6 +25,8 @@ class Control:
         self.abort_requested = False
         self.reason: str | None = None
         self.source: str | None = None
+        self._save_pending = False  # asked on this process, not yet agreed
+        self._save_agreed = False  # agreed (by every rank at the same check): the loop saves
         # Set by the distributed layer: takes (local stop, local abort) and returns what all
         # ranks agreed. None in a single process.
         self.agree: Callable[[bool, bool], tuple[bool, bool]] | None = None
@@ -69,6 +71,56 @@ class Control:
             return self.agree(self.stop_requested, self.abort_requested)[1]
         return self.abort_requested
 
+    def request_save(
+        self, reason: str = "", *, source: str | None = None, step: int | None = None
+    ) -> bool:
+        """Ask the loop to save a checkpoint at its next check; publishes `SaveRequested`.
+
+        Requests coalesce: while one is pending (asked, or agreed and not yet `save_done()`)
+        another does nothing and returns False.
+        """
+        with self._lock:
+            if self._save_pending or self._save_agreed:
+                return False
+            self._save_pending = True
+        self._publish(SaveRequested(step=step, reason=reason, source=source))
+        return True
+
+    @property
+    def save_requested(self) -> bool:
+        """True from the check that agreed a save until the loop calls `save_done()`.
+
+        With several ranks a save is agreed at a `should_stop` check (every rank sees it at
+        the same one); in one process it is seen at once. Reading it runs no collective.
+        """
+        return self._save_agreed or (self._save_pending and self.agree is None)
+
+    @property
+    def save_pending(self) -> bool:
+        """True while a save asked on this process waits for the ranks to agree on it (in
+        one process, where nothing needs agreeing: until `save_done()`)."""
+        return self._save_pending
+
+    def save_agreed(self, *, asked_on: int | None = None) -> None:
+        """The ranks agreed on a save: `save_requested` reads True until `save_done()`.
+
+        Called by the agreement; `asked_on` (the rank that asked) is recorded as a
+        `SaveRequested` here when this rank did not ask, so every rank's log says why it saved.
+        """
+        with self._lock:
+            asked_here, already = self._save_pending, self._save_agreed
+            self._save_pending, self._save_agreed = False, True
+        if asked_on is not None and not (asked_here or already):
+            reason = f"save requested on rank {asked_on}"
+            self._publish(SaveRequested(reason=reason, source=f"rank {asked_on}"))
+
+    def save_done(self) -> None:
+        """The loop saved: clear the request (a later `request_save` asks again)."""
+        with self._lock:
+            self._save_agreed = False
+            if self.agree is None:
+                self._save_pending = False  # one process: seen at once, nothing to agree
+
     def check(self) -> None:
         """Raise `AbortRequested` if an abort was requested; a one-line guard for loops."""
         if self.should_abort:
@@ -78,4 +130,5 @@ class Control:
         """Clear the flags (a new run on the same bus)."""
         with self._lock:
             self.stop_requested = self.abort_requested = False
+            self._save_pending = self._save_agreed = False
             self.reason = self.source = None

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from eventbus.control import AbortRequested, Control
-from eventbus.events import Event, StopRequested
+from eventbus.events import Event, SaveRequested, StopRequested
 
 
 def test_a_stop_is_published_once_with_its_reason_source_and_step() -> None:
@@ -62,3 +62,49 @@ def test_requests_from_many_threads_publish_exactly_one_stop() -> None:
     for t in threads:
         t.join()
     assert len(out) == 1
+
+
+# -- save requests (issue 17) --------------------------------------------------------------
+
+
+def test_a_save_is_seen_at_once_in_one_process_and_cleared_by_save_done() -> None:
+    out: list[Event] = []
+    c = Control(out.append)
+    assert not c.save_requested
+    assert c.request_save("eval looks good", source="eventbus ctl", step=7)
+    assert c.save_requested and c.save_requested  # a level: reading it changes nothing
+    assert not c.request_save("again")  # coalesced while one is pending
+    c.save_done()
+    assert not c.save_requested and not c.save_pending
+    assert c.request_save("later")  # a new request asks again
+    saves = [e for e in out if isinstance(e, SaveRequested)]
+    assert [(e.step, e.reason, e.source) for e in saves] == [
+        (7, "eval looks good", "eventbus ctl"),
+        (None, "later", None),
+    ]
+
+
+def test_with_an_agreement_a_save_waits_for_it_and_other_ranks_record_why() -> None:
+    out: list[Event] = []
+    c = Control(out.append)
+    c.agree = lambda stop, abort: (stop, abort)
+    c.request_save("asked here")
+    assert c.save_pending and not c.save_requested  # not agreed yet
+    c.save_agreed(asked_on=0)
+    assert c.save_requested and not c.save_pending
+    c.save_done()
+    assert not c.save_requested
+    c.save_agreed(asked_on=1)  # asked on rank 1 only: this rank records it too
+    assert c.save_requested
+    saves = [e for e in out if isinstance(e, SaveRequested)]
+    assert [(e.reason, e.source) for e in saves] == [
+        ("asked here", None),
+        ("save requested on rank 1", "rank 1"),
+    ]
+
+
+def test_reset_clears_a_save_too() -> None:
+    c = Control(lambda ev: None)
+    c.request_save("x")
+    c.reset()
+    assert not c.save_requested and not c.save_pending

@@ -133,6 +133,47 @@ def test_overlap_sees_a_stop_one_check_later() -> None:
     assert not agree.in_flight  # nothing left in flight once a stop is agreed
 
 
+@pytest.mark.usefixtures("world_of_one")
+def test_a_save_rides_a_check_and_is_sent_once() -> None:
+    bus = EventBus(world_size=2)
+    bus.control.agree = StopAgreement(bus.control, overlap=False)
+    ctl = bus.control
+    assert not bus.should_stop
+    ctl.request_save("now")
+    assert ctl.save_pending and not ctl.save_requested  # asked, not yet agreed
+    assert not bus.should_stop  # this check carries it
+    assert ctl.save_requested and not ctl.save_pending
+    assert not bus.should_stop
+    assert ctl.save_requested  # until the loop saved
+    ctl.save_done()
+    assert not bus.should_stop
+    assert not ctl.save_requested  # the next check did not carry it again
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_overlap_sees_a_save_one_check_later() -> None:
+    bus = EventBus(world_size=2)
+    ctl = bus.control
+    assert not bus.should_stop  # starts check 1
+    ctl.request_save("now")
+    assert not bus.should_stop  # reads check 1 (no save then), starts check 2 with it
+    assert not ctl.save_requested
+    assert not bus.should_stop  # reads check 2
+    assert ctl.save_requested
+    ctl.save_done()
+    assert not bus.should_stop
+    assert not bus.should_stop
+    assert not ctl.save_requested
+
+
+def test_a_save_before_init_process_group_is_this_ranks_own() -> None:
+    bus = EventBus(world_size=2)
+    bus.control.request_save("early")
+    assert not bus.control.save_requested
+    assert not bus.should_stop  # no collective possible: the local request is handed over
+    assert bus.control.save_requested
+
+
 # -- torchrun: two ranks, gloo, CPU ------------------------------------------------------------
 
 

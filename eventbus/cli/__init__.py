@@ -1,15 +1,16 @@
-"""The `eventbus` command: replay, summary, tail and plot for recorded JSONL logs; bench.
+"""The `eventbus` command: replay, summary, tail and plot for recorded JSONL logs; bench; ctl.
 
     eventbus replay LOG... --subscribe SPEC... [--out FILE]
     eventbus summary LOG... [--json]
     eventbus tail LOG [-n N] [--no-follow] [--timeout S] [--max-lines N]
     eventbus plot LOG... -o report.png
     eventbus bench STEP --subscribe SPEC... [--steps N] [--rounds R] [--json [FILE]] [--plot F]
+    eventbus ctl RUN_DIR status|stop|abort|save|ping [REASON] [--json] [--tcp H:P]
 
 SPEC: `jsonl:DIR`, `tensorboard:DIR`, `divergence`, `memory`, `progress` (options as
 `divergence:action=warn,window=50`), or `module:factory` (imported with importlib).
 Bad arguments and unreadable or corrupt files: one line on stderr and exit code 2; a bad line
-is named as `file:line: what is wrong`.
+is named as `file:line: what is wrong`. `ctl` has exit codes of its own (3 to 7: see its help).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from eventbus.cli import bench, plot, replay, summary, tail
+from eventbus.cli import bench, ctl, plot, replay, summary, tail
 from eventbus.cli._errors import UsageError, fail
 from eventbus.codec import EventDecodeError
 from eventbus.version import __version__
@@ -40,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="hide warnings from the library")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for command in (replay, summary, tail, plot, bench):
+    for command in (replay, summary, tail, plot, bench, ctl):
         command.add_parser(sub)
     return p
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from eventbus.core.subscriber import State
 from eventbus.core.worker import thread_state
-from eventbus.events import Event
+from eventbus.events import Event, SaveRequested
 from eventbus.log import get_logger
 from eventbus.process import wire
 from eventbus.stats import SubscriberStats
@@ -118,6 +118,9 @@ class Reports:
                     self._refused(ev, e)
         control = self.bus.control
         for q in reqs:
+            if isinstance(q, SaveRequested):  # a sidecar subscriber asked for a checkpoint
+                control.request_save(q.reason, source=q.source, step=q.step)
+                continue
             ask = control.request_abort if q.abort else control.request_stop
             ask(q.reason, source=q.source, step=q.step)
 

@@ -53,6 +53,7 @@ class Tally:
             raise ValueError(f"bad step {self.fail_on}")
         if 50 in steps:
             self.bus.control.request_stop("saw step 50", source="tally", step=50)
+            self.bus.control.request_save("saw step 50", source="tally", step=50)
 
     def on_close(self) -> None:
         assert self.bus is not None

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from eventbus import EventBus
-from eventbus.events import Loss, Scalars, StopRequested
+from eventbus.events import Loss, SaveRequested, Scalars, StopRequested
 from eventbus.process import ProcessSubscriber
 from eventbus.sinks import JsonlWriter, TensorBoardSink
 from tests.conftest import Recorder
@@ -36,7 +36,7 @@ NewBus = Callable[..., EventBus]
 
 def test_one_sidecar_hosts_every_process_subscriber(new_bus: NewBus, tmp_path: Path) -> None:
     bus = new_bus(cost_every=None)  # exact counts: no BusCost among them
-    seen = Recorder(events=[StopRequested])
+    seen = Recorder(events=[StopRequested, SaveRequested])
     bus.subscribe(seen)
     bus.subscribe(WhereAmI(str(tmp_path / "pid1")), placement="process")
     bus.subscribe(WhereAmI(str(tmp_path / "pid2")), placement="process")
@@ -59,7 +59,7 @@ def test_one_sidecar_hosts_every_process_subscriber(new_bus: NewBus, tmp_path: P
         assert psutil.Process(side.pid).nice() == min(19, os.nice(0) + 10)  # yields the CPU
         assert side.spawn_s is not None
         assert 0 < side.spawn_s < 60
-        assert side.sent_events == 2 * n + 1  # each sent once, whoever wants it; and the stop
+        assert side.sent_events == 2 * n + 2  # each sent once, whoever wants it; stop, save
     st = bus.stats()
     for h in (a, b):
         s = st[h.name]  # type: ignore[index]
@@ -71,6 +71,9 @@ def test_one_sidecar_hosts_every_process_subscriber(new_bus: NewBus, tmp_path: P
     assert bus.control.reason == "saw step 50"  # a stop requested there reaches us
     stops = [e for e in seen.got if isinstance(e, StopRequested)]
     assert [(e.source, e.step) for e in stops] == [("tally", 50)]  # its one control
+    assert bus.control.save_requested  # and a save asked there too
+    saves = [e for e in seen.got if isinstance(e, SaveRequested)]
+    assert [(e.source, e.step) for e in saves] == [("tally", 50)]
     lines = [json.loads(x) for x in writer.path.read_text().splitlines()]
     assert sum(1 for x in lines if x["type"] == "Loss") == n
     assert writer.stats().lines_written >= 2 * n + len(stops)  # its copy's own report
