@@ -35,6 +35,8 @@ __all__ = ["KINDS", "Watcher", "watch"]
 KINDS = ("weights", "grads", "activations")
 """What `watch()` can look at: parameters, their gradients, module outputs."""
 
+_INPUT = "\x00in:"  # marks a module's input among its traced outputs (what="dtype" only)
+
 
 class Watcher:
     """The hooks `watch()` installed; `.remove()` takes every one off.
@@ -158,6 +160,9 @@ class Watcher:
     def _on_output(self, name: str, module: torch.nn.Module, args: Any, out: Any) -> None:
         if not self.active:  # under compile: a guard; the unwatched graph has no hook code
             return
+        if self.layout_only:  # inputs too, integer ones included (token ids): metadata only
+            for label, t in leaves(args, name):
+                self._traced.append((_INPUT + label, str(t.dtype), tuple(t.shape), ()))
         for label, t in leaves(out, name):
             if not t.is_floating_point() or not t.numel():
                 continue
@@ -224,7 +229,7 @@ class Watcher:
             self._most = max(self._most, len(items))
         if self._watched and self.layout_only:
             layout, self._layout_buf = self._layout_buf, []
-            self._publish_layout(layout + [(f"activations/{n}", d, s) for n, d, s, _ in items])
+            self._publish_layout(layout + [(_layout_key(n), d, s) for n, d, s, _ in items])
         elif self._watched:
             self._pending += [
                 entry(label, "activations", dtype, shape, parts)
@@ -297,6 +302,13 @@ def _layout(kind: str, named: Sequence[tuple[str, torch.Tensor]]) -> list[Any]:
     return [(f"{kind}/{n}", str(t.dtype), tuple(t.shape)) for n, t in named]
 
 
+def _layout_key(label: str) -> str:
+    """ "inputs/<module>" for a module's input, "activations/<module>" for its output."""
+    if label.startswith(_INPUT):
+        return "inputs/" + label[len(_INPUT) :]
+    return "activations/" + label
+
+
 def _uncompiled(model: torch.nn.Module) -> torch.nn.Module:
     """The module `torch.compile` wrapped (names without `_orig_mod.`), else `model`."""
     inner = getattr(model, "_orig_mod", None)
@@ -324,7 +336,8 @@ def watch(
     Names are those of `named_parameters()` (weights, grads) and `named_modules()`
     (activations; the root module is ""; extra tensors of a tuple/dict output get a suffix
     such as "attn[1]"), the same for a compiled model. `what="dtype"` (alone or with kinds)
-    publishes `TensorLayout` (dtypes and shapes that changed) instead: no device work.
+    publishes `TensorLayout` (dtypes and shapes that changed, module inputs included) instead:
+    no device work.
     `modules(name, module)` selects modules. `bus` defaults to `eventbus.get_bus()`.
     Returns a `Watcher`; `.remove()` takes every hook off.
     """

@@ -6,10 +6,13 @@ histogram), computed with torch ops on the tensor's own device. A step's statist
 stacked into one tensor and captured with one non-blocking copy; the bus thread unpacks it
 into plain numbers. Nothing here reads a device value on the training thread.
 
+`profile(bus, schedule=...)` drives `torch.profiler` windows from `bus.step()` scopes and
+writes each window's trace and table off the training thread (`ProfileSaved`).
+
 `instrument(model, optimizer, bus)` publishes ForwardEnded, BackwardEnded and
 OptimizerStepped (lr, grad_norm as a device tensor) from module and optimizer hooks.
 
-Both return a handle whose `.remove()` takes every hook back off.
+`watch` and `instrument` return a handle whose `.remove()` takes every hook back off.
 """
 
 from __future__ import annotations
@@ -22,12 +25,22 @@ from typing import Any
 import torch  # absolute import: this module is eventbus.torch, torch is the library
 
 from eventbus._torch_hooks import leaves, queue_after_backward, resolve_bus
+from eventbus._torch_profile import ProfileWindows, profile
 from eventbus._torch_stats import tensor_stats
 from eventbus._torch_watch import KINDS, Watcher, watch
 from eventbus.events import BackwardEnded, ForwardEnded, OptimizerStepped
 from eventbus.steps import current_step
 
-__all__ = ["KINDS", "Instrumentation", "Watcher", "instrument", "tensor_stats", "watch"]
+__all__ = [
+    "KINDS",
+    "Instrumentation",
+    "ProfileWindows",
+    "Watcher",
+    "instrument",
+    "profile",
+    "tensor_stats",
+    "watch",
+]
 
 
 class Instrumentation:

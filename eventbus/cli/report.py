@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from eventbus.events import (
     RunStarted,
     StepEnded,
     StopRequested,
+    TimeEstimate,
 )
 from eventbus.logformat import (
     HEADER_TYPE,
@@ -135,6 +137,7 @@ class RunReport:
     run_started: RunStarted | None = None
     run_ended: RunEnded | None = None
     bus_cost: BusCost | None = None  # the last one
+    time_estimate: TimeEstimate | None = None  # SpeedMonitor's last ETA
     fresh_starts: dict[str, int] = field(default_factory=dict)  # file -> RunStarted, no resume
     # (file, session: headers seen in it, rank) -> seq numbers seen
     seqs: dict[tuple[str, int, int], SeqCounter] = field(default_factory=dict)
@@ -216,6 +219,11 @@ class RunReport:
             self.run_ended = ev
         elif isinstance(ev, BusCost):
             self.bus_cost = ev
+        elif isinstance(ev, TimeEstimate):
+            eta = as_float(ev.eta_s)
+            if eta is None or not math.isfinite(eta) or type(ev.total_steps) is not int:
+                raise ValueError("TimeEstimate needs a finite eta_s and an integer total_steps")
+            self.time_estimate = ev
         elif step is None:
             return
         elif isinstance(ev, Loss):

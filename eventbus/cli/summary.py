@@ -127,7 +127,21 @@ def summary_dict(r: RunReport) -> dict[str, Any]:
     ]
     out["peak_memory_mb"] = {k: max(v for _, v in pts) for k, pts in r.memory.items() if pts}
     out["instrumentation_cost"] = cost_dict(r.stats_records, r.run_ended, r.bus_cost)
+    out["eta"] = _eta(r)
     return out
+
+
+def _eta(r: RunReport) -> dict[str, Any] | None:
+    """SpeedMonitor's last time estimate, for a run that did not complete (else None)."""
+    est = r.time_estimate
+    if est is None or (r.run_ended is not None and r.run_ended.status == "completed"):
+        return None
+    return {
+        "step": est.step,
+        "eta_s": float(est.eta_s),
+        "total_steps": est.total_steps,
+        "steps_per_s": est.steps_per_s,
+    }
 
 
 def _losses(r: RunReport) -> dict[str, Any]:
@@ -189,6 +203,12 @@ def summary_lines(r: RunReport) -> list[str]:
     )
     if d["wall_time_s"] is not None:
         lines.append(f"wall time:  {hms(d['wall_time_s'])} ({d['wall_time_s']:.1f} s)")
+    eta = d["eta"]
+    if eta is not None:
+        lines.append(
+            f"eta:        {hms(eta['eta_s'])} left at step {eta['step']} of "
+            f"{eta['total_steps']:,} (the last estimate)"
+        )
     for split, lo in d["loss"].items():
         parts = [f"first {g(lo['first'][1])} @{lo['first'][0]}"]
         if lo["min"]:

@@ -4,6 +4,10 @@ Step time is `StepEnded.duration_s` when the loop gives it, else the wall-clock 
 consecutive `StepEnded` events (their publish `ts`, divided by the steps between them when
 some were not seen). Figures are windowed over the last `window` steps, after dropping the
 first `warmup_steps` (compilation, cold caches, the optimizer allocating its state).
+
+When the run's length is known (`RunStarted.total_steps`, or `total_steps=`), each publish
+also carries a `TimeEstimate`: the steps left at the window's wall-clock rate (publish `ts` of
+its first and last `StepEnded`, so time between steps, data loading included, counts).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from collections import deque
 from typing import ClassVar
 
 from eventbus.core import BusHandle
-from eventbus.events import Event, Scalars, StepEnded
+from eventbus.events import Event, RunStarted, Scalars, StepEnded, TimeEstimate
 
 __all__ = ["SpeedMonitor"]
 
@@ -35,10 +39,11 @@ class SpeedMonitor:
 
     MFU needs `peak_flops` (the hardware's peak FLOP/s for the run's dtype, all devices the
     step uses) and either `flops_per_step` or `flops_per_token` (e.g. 6 x parameters for a
-    decoder-only transformer's training step).
+    decoder-only transformer's training step). `total_steps` (else `RunStarted.total_steps`)
+    adds a `TimeEstimate` (the ETA) to each publish.
     """
 
-    events: ClassVar[tuple[type[Event], ...]] = (StepEnded,)
+    events: ClassVar[tuple[type[Event], ...]] = (StepEnded, RunStarted)
     policy: ClassVar[str] = "drop_oldest"
     maxsize: ClassVar[int] = 10_000
     name = "speed"
@@ -53,6 +58,7 @@ class SpeedMonitor:
         flops_per_token: float | None = None,
         peak_flops: float | None = None,
         prefix: str = "speed/",
+        total_steps: int | None = None,
     ) -> None:
         for name, v, lo in (
             ("every", every, 1),
@@ -61,6 +67,10 @@ class SpeedMonitor:
         ):
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+        if total_steps is not None and (
+            not isinstance(total_steps, int) or isinstance(total_steps, bool) or total_steps < 1
+        ):
+            raise ValueError(f"total_steps must be an int >= 1 or None, got {total_steps!r}")
         for name, f in (
             ("flops_per_step", flops_per_step),
             ("flops_per_token", flops_per_token),
@@ -82,6 +92,10 @@ class SpeedMonitor:
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
         self.prefix = prefix
+        self.total_steps = total_steps  # given: wins over RunStarted.total_steps
+        self.last_estimate: TimeEstimate | None = None
+        self._run_total: int | None = None
+        self._clock: deque[tuple[int, int]] = deque(maxlen=window + 1)  # (step, ts) after warmup
         self._bus: BusHandle | None = None
         self._steps: deque[_Step] = deque(maxlen=window)
         self._prev: tuple[int, int] | None = None  # (step, ts) of the last StepEnded
@@ -98,6 +112,8 @@ class SpeedMonitor:
         for ev in batch:
             if isinstance(ev, StepEnded) and ev.step is not None:
                 self.update(ev)
+            elif isinstance(ev, RunStarted):
+                self._run_total = ev.total_steps if type(ev.total_steps) is int else None
 
     def on_close(self) -> None:
         """Publish what the last `every` steps left unpublished."""
@@ -111,6 +127,7 @@ class SpeedMonitor:
         prev = self._prev
         if prev is not None and step <= prev[0]:  # a resume or a new run: start afresh
             self._steps.clear()
+            self._clock.clear()
             prev = self._last_published = None
             self._seen = 0
         if ev.ts is not None:
@@ -126,6 +143,8 @@ class SpeedMonitor:
         self._last_step = step
         if self._seen > self.warmup_steps and math.isfinite(seconds) and seconds >= 0:
             self._steps.append(_Step(seconds, steps, ev.samples, ev.tokens))
+        if self._seen >= self.warmup_steps and ev.ts is not None:
+            self._clock.append((step, ev.ts))  # the last warm-up step's end starts the clock
         last = self._last_published
         if (
             (step // self.every > last // self.every)
@@ -163,11 +182,31 @@ class SpeedMonitor:
             out[f"{p}mfu"] = achieved / self.peak_flops
         return out
 
+    def estimate(self, step: int) -> TimeEstimate | None:
+        """The time left after `step` at the window's rate, when the total is known."""
+        total = self.total_steps or self._run_total
+        if total is None:
+            return None
+        rate: float | None = None
+        if len(self._clock) >= 2:
+            (s0, t0), (s1, t1) = self._clock[0], self._clock[-1]
+            if t1 > t0 and s1 > s0:
+                rate = (s1 - s0) / ((t1 - t0) / 1e9)  # wall clock: time between steps counts
+        if rate is None:  # no publish timestamps: the step times alone
+            rate = self.figures().get(f"{self.prefix}steps_per_s")
+        if not rate:
+            return None
+        left = max(0, total - step)
+        return TimeEstimate(step=step, eta_s=left / rate, total_steps=total, steps_per_s=rate)
+
     def _publish(self, step: int) -> dict[str, float] | None:
         values = self.figures()
         if not values:
             return None
         self._last_published = step
+        eta = self.last_estimate = self.estimate(step)
         if self._bus is not None:
             self._bus.publish(Scalars(step=step, values=dict(values)))
+            if eta is not None:  # an event of its own: a "latest" display keeps it apart
+                self._bus.publish(eta)
         return values

@@ -1,8 +1,10 @@
 """ConsoleProgress: a progress bar for interactive runs (step, loss, steps/s, ETA).
 
-Uses tqdm when installed (`pip install 'eventbus[progress]'`), else a plain line every
-`refresh_interval` seconds. Quiet when the stream is not a terminal (a log file, CI) unless
-`force=True`. Lossy on purpose (`policy = "latest"`): a progress bar only needs the newest.
+The ETA is `SpeedMonitor`'s `TimeEstimate` when one arrives (windowed, warm-up left out,
+counted down between estimates), else this bar's own average rate. Uses tqdm when installed
+(`pip install 'eventbus[progress]'`), else a plain line every `refresh_interval` seconds.
+Quiet when the stream is not a terminal (a log file, CI) unless `force=True`. Lossy on
+purpose (`policy = "latest"`): a progress bar only needs the newest.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from eventbus.events import (
     RunStarted,
     StepEnded,
     StopRequested,
+    TimeEstimate,
 )
 from eventbus.sinks._text import describe
 
@@ -40,6 +43,7 @@ class ConsoleProgress:
         MemoryLeakSuspected,
         StopRequested,
         RunEnded,
+        TimeEstimate,
     )
     policy: ClassVar[str] = "latest"
     maxsize: ClassVar[int] = 64
@@ -76,6 +80,7 @@ class ConsoleProgress:
         self._step: int | None = None
         self._loss: float | None = None
         self._t0: tuple[float, int] | None = None  # (monotonic, step) at the first step seen
+        self._estimate: tuple[float, float] | None = None  # (eta_s, monotonic when received)
         self._last_print = 0.0
 
     def on_events(self, batch: list[Event]) -> None:
@@ -92,6 +97,10 @@ class ConsoleProgress:
                         self._loss = _float(ev.value)
                     self._at(ev.step)
                 case StepEnded():
+                    self._at(ev.step)
+                case TimeEstimate():
+                    self._estimate = (float(ev.eta_s), time.monotonic())
+                    self.total = self.total or ev.total_steps or None
                     self._at(ev.step)
                 case RunEnded():
                     self._message(
@@ -125,7 +134,18 @@ class ConsoleProgress:
             self._step = step
 
     def _postfix(self) -> str:
-        return "" if self._loss is None else f"loss={self._loss:.4g}"
+        parts = [] if self._loss is None else [f"loss={self._loss:.4g}"]
+        eta = self._monitor_eta(time.monotonic())
+        if eta is not None:
+            parts.append(f"ETA {_hms(eta)}")  # SpeedMonitor's, next to tqdm's own
+        return ", ".join(parts)
+
+    def _monitor_eta(self, now: float) -> float | None:
+        """SpeedMonitor's last estimate, counted down since it arrived (None before one)."""
+        if self._estimate is None:
+            return None
+        eta_s, received = self._estimate
+        return max(0.0, eta_s - (now - received))
 
     def _show(self, *, final: bool = False) -> None:
         if self._step is None:
@@ -165,12 +185,15 @@ class ConsoleProgress:
         step = self._step or 0
         parts = [f"step {step}" + (f"/{self.total}" if self.total else "")]
         if self._loss is not None:
-            parts.append(self._postfix())
+            parts.append(f"loss={self._loss:.4g}")
         rate = self._rate(now)
         if rate:
             parts.append(f"{rate:.2f} steps/s")
-            if self.total and step < self.total:
-                parts.append(f"ETA {_hms((self.total - step) / rate)}")
+        eta = self._monitor_eta(now)
+        if eta is None and rate and self.total and step < self.total:
+            eta = (self.total - step) / rate
+        if eta is not None:
+            parts.append(f"ETA {_hms(eta)}")
         self.stream.write("\r" + "  ".join(parts) + "   ")
         self.stream.flush()
 

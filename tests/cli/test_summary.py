@@ -20,6 +20,7 @@ from eventbus.events import (
     RunStarted,
     StepEnded,
     StopRequested,
+    TimeEstimate,
 )
 from eventbus.logformat import SKIPPED_TYPE, STATS_TYPE, header, record, write_events
 from eventbus.sinks import JsonlWriter
@@ -393,3 +394,32 @@ def test_a_file_holding_two_runs_is_said_to(
     pytest.importorskip("matplotlib")
     assert main(["plot", str(path), "-o", str(tmp_path / "p.png")]) == 0
     assert "holds 2 runs" in capsys.readouterr().err
+
+
+def _eta_run(tmp_path: Path, ended: RunEnded | None) -> Path:
+    events: list[Event] = [RunStarted(step=0, total_steps=1000)]
+    for s in range(1, 41):
+        events.append(StepEnded(step=s, ts=1_700_000_000_000_000_000 + s * 10**9))
+    events.append(TimeEstimate(step=40, eta_s=3725.0, total_steps=1000, steps_per_s=0.26))
+    events += [ended] if ended is not None else []
+    return write_events(tmp_path / "events.jsonl", events)
+
+
+def test_summary_shows_the_last_eta_of_a_run_that_did_not_finish(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = _eta_run(tmp_path, None)
+    assert main(["summary", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert "eta:        1:02:05.0 left at step 40 of 1,000 (the last estimate)" in out
+    assert main(["summary", "--json", str(log)]) == 0
+    d = orjson.loads(capsys.readouterr().out)
+    assert d["eta"] == {"step": 40, "eta_s": 3725.0, "total_steps": 1000, "steps_per_s": 0.26}
+
+
+def test_summary_shows_no_eta_for_a_completed_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = _eta_run(tmp_path, RunEnded(step=1000, status="completed"))
+    assert main(["summary", str(log)]) == 0
+    assert "eta:" not in capsys.readouterr().out

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from eventbus import EventBus
-from eventbus.events import Scalars, StepEnded
+from eventbus.events import RunStarted, Scalars, StepEnded, TimeEstimate
 from eventbus.monitors import SpeedMonitor
 from tests.conftest import Recorder
 
@@ -124,3 +124,42 @@ def test_publishes_scalars_on_a_bus_every_n_steps_and_at_close() -> None:
         }
         assert e.values["speed/mfu"] == pytest.approx(0.1)
         assert e.values["speed/tokens_per_s"] == pytest.approx(51_200)
+
+
+# -- the time estimate ---------------------------------------------------------------------
+
+
+def test_eta_from_the_wall_clock_rate_with_the_total_given() -> None:
+    mon = SpeedMonitor(every=10, total_steps=100)
+    # 0.1 s inside each step, 0.2 s from one StepEnded to the next: loading data counts too
+    feed(mon, [StepEnded(step=s, ts=T0 + s * 200_000_000, duration_s=0.1) for s in range(1, 21)])
+    est = mon.last_estimate
+    assert est is not None and est.step == 20 and est.total_steps == 100
+    assert est.steps_per_s == pytest.approx(5.0)
+    assert est.eta_s == pytest.approx(80 / 5.0)
+
+
+def test_no_estimate_without_a_total() -> None:
+    mon = SpeedMonitor(every=10)
+    feed(mon, [StepEnded(step=s, ts=T0 + s * 100_000_000) for s in range(1, 21)])
+    assert mon.last_estimate is None
+
+
+def test_time_estimate_is_published_from_run_started_total() -> None:
+    bus = EventBus(drain_interval=0.002)
+    rec = Recorder(events=[TimeEstimate])
+    bus.subscribe(rec)
+    bus.subscribe(SpeedMonitor(every=5))
+    with bus:
+        bus.publish(RunStarted(total_steps=50))
+        for s in range(1, 11):
+            bus.publish(StepEnded(step=s, ts=T0 + s * 250_000_000))  # 4 steps/s
+    assert [e.step for e in rec.got] == [5, 10]
+    assert [e.total_steps for e in rec.got] == [50, 50]
+    assert rec.got[-1].eta_s == pytest.approx(40 / 4.0)
+    assert rec.got[0].eta_s == pytest.approx(45 / 4.0)
+
+
+def test_total_steps_argument_is_checked() -> None:
+    with pytest.raises(ValueError, match="total_steps must be an int >= 1"):
+        SpeedMonitor(total_steps=0)

@@ -9,7 +9,14 @@ from dataclasses import dataclass
 import pytest
 
 from eventbus import EventBus
-from eventbus.events import DivergenceDetected, Loss, RunEnded, RunStarted, StepEnded
+from eventbus.events import (
+    DivergenceDetected,
+    Loss,
+    RunEnded,
+    RunStarted,
+    StepEnded,
+    TimeEstimate,
+)
 from eventbus.sinks import ConsoleProgress
 
 
@@ -117,3 +124,24 @@ def test_on_a_bus_it_is_lossy_and_rank_zero_only() -> None:
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="refresh_interval"):
         ConsoleProgress(refresh_interval=-1)
+
+
+def test_speed_monitors_estimate_is_the_eta_shown() -> None:
+    out = io.StringIO()
+    p = ConsoleProgress(stream=out, force=True, refresh_interval=0, use_tqdm=False)
+    _feed(p, total=100)  # ~100 steps/s here: its own estimate would be about a second
+    p.on_events([TimeEstimate(step=5, eta_s=7265.0, total_steps=100)])
+    p.on_close()
+    assert "ETA 2:01:0" in out.getvalue()  # SpeedMonitor's, counted down since it came
+
+
+def test_tqdm_postfix_carries_the_monitors_estimate() -> None:
+    pytest.importorskip("tqdm")
+    out = io.StringIO()
+    p = ConsoleProgress(stream=out, force=True, refresh_interval=0)
+    p.on_events([TimeEstimate(step=3, eta_s=125.0, total_steps=40)])  # the total comes too
+    p.on_events([StepEnded(step=4)])
+    p.on_close()
+    text = out.getvalue()
+    assert "ETA 2:0" in text
+    assert "/40" in text

@@ -1,0 +1,224 @@
+"""`ThresholdStopper` and `EarlyStopper`: stop the run on a metric, through `bus.control`.
+
+Both read one metric named as in `eventbus.monitors._metric` ("loss", "eval_loss",
+"eval/accuracy", a `Scalars` key, ...), from `Loss`, `Scalars` or `EvalEnded`, on the bus side.
+When their rule holds they call `bus.control.request_stop(reason, source=name, step=step)`:
+the loop sees `bus.should_stop` at its next check. Their state (best value, values without
+improvement) survives `bus.state_dict()` / `load_state_dict()`, so a resumed run goes on counting.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar, Literal
+
+from eventbus.core import BusHandle
+from eventbus.events import EvalEnded, Event, Loss, OptimizerStepped, Scalars
+from eventbus.log import get_logger
+from eventbus.monitors._metric import loss_split, metric_value
+
+__all__ = ["EarlyStopper", "ThresholdStopper"]
+
+Mode = Literal["min", "max"]
+_MODES = ("min", "max")
+_STATE_VERSION = 1
+
+
+def _number(name: str, v: Any, *, least: float | None = None) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise ValueError(f"{name} must be a finite number, got {v!r}")
+    if least is not None and v < least:
+        raise ValueError(f"{name} must be >= {least:g}, got {v!r}")
+    return float(v)
+
+
+def _g(v: float | None) -> str:
+    return "none" if v is None else f"{v:.6g}"
+
+
+class _Stopper:
+    """What both stoppers share: the metric, its steps, the stop request, the state."""
+
+    events: tuple[type[Event], ...] = (Loss, Scalars, EvalEnded, OptimizerStepped)
+    policy: ClassVar[str] = "block"  # counting values: every one must arrive
+
+    def __init__(self, metric: str, mode: Mode, split: str) -> None:
+        if not isinstance(metric, str) or not metric:
+            raise ValueError(f"metric must be a non-empty name such as 'eval_loss'; got {metric!r}")
+        if mode not in _MODES:
+            raise ValueError(
+                f"mode must be 'min' (lower is better, a loss) or 'max' (higher is better, "
+                f"an accuracy); got {mode!r}"
+            )
+        if not isinstance(split, str) or not split:
+            raise ValueError(f"split must be a non-empty name such as 'train'; got {split!r}")
+        self.metric = metric
+        # Only the types that can carry this metric reach it (a lossless queue costs a copy).
+        self.events = tuple(
+            t
+            for t in type(self).events
+            if t in (Scalars, EvalEnded)
+            or (t is Loss and loss_split(metric, split) is not None)
+            or (t is OptimizerStepped and metric in ("grad_norm", "lr"))
+        )
+        self.mode: Mode = mode
+        self.split = split
+        self.bus: BusHandle | None = None
+        self.best: float | None = None
+        self.best_step: int | None = None
+        self.stopped_at: int | None = None  # the step of the first stop request
+        self.stop_reason: str | None = None
+        self._auto_step = 0
+
+    def on_start(self, bus: BusHandle) -> None:
+        """Keep the bus to request a stop through."""
+        self.bus = bus
+
+    async def on_events(self, batch: list[Event]) -> None:
+        """Feed each value of the metric to the rule; request a stop when it says so."""
+        for ev in batch:
+            value = metric_value(ev, self.metric, self.split)
+            if value is not None:
+                self.update(value, ev.step)
+
+    def update(self, value: float, step: int | None = None) -> bool:
+        """Add one value (at `step`, else one past the last); True if it asks to stop."""
+        if step is None:
+            step = self._auto_step
+        self._auto_step = step + 1
+        reason = self._rule(step, value)
+        if reason is None:
+            return False
+        self._stop(step, reason)
+        return True
+
+    def _better(self, value: float, than: float, delta: float = 0.0) -> bool:
+        if self.mode == "min":
+            return value < than - delta
+        return value > than + delta
+
+    def _note_best(self, step: int, value: float) -> None:
+        """Record `value` if it is the best so far (finite values only)."""
+        if math.isfinite(value) and (self.best is None or self._better(value, self.best)):
+            self.best, self.best_step = value, step
+
+    def _rule(self, step: int, value: float) -> str | None:
+        raise NotImplementedError
+
+    def _stop(self, step: int, reason: str) -> None:
+        name = getattr(self, "name", type(self).__name__)
+        if self.stopped_at is None:
+            self.stopped_at, self.stop_reason = step, reason
+            get_logger().warning("stop requested", source=name, step=step, reason=reason)
+        if self.bus is not None:  # idempotent: the control publishes StopRequested once
+            self.bus.control.request_stop(reason, source=name, step=step)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Best value and where, the step count, the first stop (JSON-friendly)."""
+        return {
+            "version": _STATE_VERSION,
+            "metric": self.metric,
+            "mode": self.mode,
+            "best": self.best,
+            "best_step": self.best_step,
+            "auto_step": self._auto_step,
+            "stopped_at": self.stopped_at,
+            "stop_reason": self.stop_reason,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned; refuse state of another metric or mode."""
+        cls = type(self).__name__
+        for key in ("metric", "mode"):
+            if state.get(key, getattr(self, key)) != getattr(self, key):
+                raise ValueError(
+                    f"state is for {key} {state.get(key)!r}, this {cls} has "
+                    f"{getattr(self, key)!r}: construct {cls}({key}={state.get(key)!r}, ...)"
+                )
+        if state.get("version", _STATE_VERSION) > _STATE_VERSION:
+            raise ValueError(f"{cls} state version {state['version']} is newer than this eventbus")
+        best = state.get("best")
+        self.best = None if best is None else float(best)
+        self.best_step = state.get("best_step")
+        self._auto_step = int(state.get("auto_step", 0))
+        self.stopped_at = state.get("stopped_at")
+        self.stop_reason = state.get("stop_reason")
+
+
+class ThresholdStopper(_Stopper):
+    """Stops once `metric` reaches `threshold`: at or below it in mode "min" (a loss low
+    enough), at or above it in mode "max" (an accuracy high enough). NaN never reaches it.
+
+    `split` is the `Loss.split` that metric "loss" means (docs/monitors.md names the rest).
+    """
+
+    name = "ThresholdStopper"
+
+    def __init__(
+        self, metric: str, threshold: float, mode: Mode = "min", *, split: str = "train"
+    ) -> None:
+        super().__init__(metric, mode, split)
+        self.threshold = _number("threshold", threshold)
+
+    def _rule(self, step: int, value: float) -> str | None:
+        self._note_best(step, value)
+        reached = value <= self.threshold if self.mode == "min" else value >= self.threshold
+        if not reached:
+            return None
+        op = "<=" if self.mode == "min" else ">="
+        return f"{self.metric} reached {value:.6g} ({op} {self.threshold:.6g}) at step {step}"
+
+
+class EarlyStopper(_Stopper):
+    """Stops when `metric` has not improved for `patience` values in a row.
+
+    An improvement beats the best so far by more than `min_delta` (lower in mode "min",
+    higher in mode "max"); NaN and Inf never improve. `patience` counts values of the
+    metric: evaluations for an eval metric, steps for a per-step training loss.
+    """
+
+    name = "EarlyStopper"
+
+    def __init__(
+        self,
+        metric: str,
+        patience: int,
+        min_delta: float = 0.0,
+        mode: Mode = "min",
+        *,
+        split: str = "train",
+    ) -> None:
+        super().__init__(metric, mode, split)
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
+            raise ValueError(
+                f"patience must be an int >= 1 (values without improvement before stopping); "
+                f"got {patience!r}"
+            )
+        self.patience = patience
+        self.min_delta = _number("min_delta", min_delta, least=0.0)
+        self.bad = 0  # values since the last improvement
+
+    def _rule(self, step: int, value: float) -> str | None:
+        if math.isfinite(value) and (
+            self.best is None or self._better(value, self.best, self.min_delta)
+        ):
+            self.best, self.best_step, self.bad = value, step, 0
+            return None
+        # Not an improvement (the reference stays: small gains add up until they count, as
+        # in Keras' EarlyStopping).
+        self.bad += 1
+        if self.bad < self.patience:
+            return None
+        return (
+            f"{self.metric} did not improve by more than {self.min_delta:g} for {self.bad} "
+            f"value(s) (best {_g(self.best)} at step {self.best_step}; now {value:.6g})"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The shared state and the count of values without improvement."""
+        return {**super().state_dict(), "bad": self.bad}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
+        super().load_state_dict(state)
+        self.bad = int(state.get("bad", 0))

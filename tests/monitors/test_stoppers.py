@@ -1,0 +1,150 @@
+"""ThresholdStopper and EarlyStopper: stop on a metric through bus.control; state survives."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from eventbus import EventBus
+from eventbus.config import subscriber_from_spec
+from eventbus.events import EvalEnded, Loss, OptimizerStepped, Scalars, StopRequested
+from eventbus.monitors import EarlyStopper, ThresholdStopper
+from tests.conftest import Recorder
+
+
+def _bus() -> EventBus:
+    return EventBus(drain_interval=0.002, close_timeout=10)
+
+
+def test_threshold_stopper_stops_the_loop_once_eval_accuracy_is_reached() -> None:
+    bus, rec = _bus(), Recorder(events=[StopRequested])
+    bus.subscribe(rec)
+    stopper = ThresholdStopper("eval/accuracy", 0.9, mode="max")
+    bus.subscribe(stopper)
+    stopped_at = None
+    with bus:
+        for step, acc in enumerate([0.5, 0.7, 0.85, 0.91, 0.95], start=1):
+            bus.publish(EvalEnded(step=step * 100, metrics={"accuracy": acc}))
+            bus.flush()  # the stopper has seen it
+            if bus.should_stop:
+                stopped_at = step * 100
+                break
+    assert stopped_at == 400
+    (req,) = rec.got
+    assert isinstance(req, StopRequested)
+    assert (req.step, req.source) == (400, "ThresholdStopper")
+    assert "eval/accuracy reached 0.91 (>= 0.9)" in req.reason
+    assert stopper.best == 0.91 and stopper.stopped_at == 400
+
+
+def test_threshold_mode_min_on_train_loss_and_nan_never_reaches() -> None:
+    s = ThresholdStopper("loss", 0.1)  # mode "min": a loss low enough
+    assert not s.update(math.nan, 1)
+    assert not s.update(0.5, 2)
+    assert s.update(0.1, 3)  # at the threshold counts
+    s = ThresholdStopper("train/loss", 0.1)
+    assert s.events == (Loss, Scalars, EvalEnded)  # no OptimizerStepped copies
+    assert not s.update(0.2, 1)
+
+
+def test_early_stopper_counts_values_without_improvement() -> None:
+    s = EarlyStopper("eval_loss", patience=3)
+    # two values without improvement, then 0.7 improves (the count restarts), then two more
+    values = [1.0, 0.8, 0.9, 0.85, 0.7, 0.75, 0.7]
+    assert not any(s.update(v, i) for i, v in enumerate(values))
+    assert (s.best, s.best_step, s.bad) == (0.7, 4, 2)
+    assert s.update(0.71, 7)  # the third value without improvement
+    assert s.stopped_at == 7
+    assert "for 3 value(s) (best 0.7 at step 4; now 0.71)" in str(s.stop_reason)
+
+
+def test_min_delta_needs_a_real_gain_and_small_gains_add_up() -> None:
+    s = EarlyStopper("loss", patience=2, min_delta=0.1)
+    s.update(1.0, 1)
+    assert not s.update(0.95, 2)  # better by 0.05: not an improvement
+    assert s.best == 1.0 and s.bad == 1
+    assert not s.update(0.85, 3)  # 0.15 below the kept reference: it counts
+    assert s.best == 0.85 and s.bad == 0
+
+
+def test_mode_max_and_nan_is_never_an_improvement() -> None:
+    s = EarlyStopper("accuracy", patience=2, mode="max")
+    s.update(0.5, 1)
+    assert not s.update(0.6, 2)
+    assert not s.update(math.nan, 3)
+    assert s.update(math.inf, 4)  # non-finite values never improve
+    assert s.best == 0.6
+
+
+def test_metric_sources_loss_split_scalars_and_eval_metrics() -> None:
+    bus = _bus()
+    train = EarlyStopper("loss", patience=100)
+    val = EarlyStopper("val/loss", patience=100)
+    ev = EarlyStopper("eval_loss", patience=100)
+    key = ThresholdStopper("custom/score", 10.0, mode="max")
+    for s in (train, val, ev, key):
+        bus.subscribe(s)
+    with bus:
+        bus.publish(Loss(step=1, value=torch.tensor(2.0)))
+        bus.publish(Loss(step=1, value=3.0, split="val"))
+        bus.publish(EvalEnded(step=1, metrics={"loss": 4.0}))
+        bus.publish(Scalars(step=1, values={"custom/score": 5.0}))
+        bus.publish(OptimizerStepped(step=1, lr=0.1, grad_norm=1.0))
+    assert (train.best, val.best, ev.best, key.best) == (2.0, 3.0, 4.0, 5.0)
+
+
+def test_state_survives_a_resume_through_the_bus_state_dict() -> None:
+    values = [1.0, 0.9, 0.95, 0.96, 0.97, 0.98]
+    whole = EarlyStopper("eval_loss", patience=3)
+    stops = [whole.update(v, i) for i, v in enumerate(values)]
+    assert stops.index(True) == 4
+
+    first_bus = _bus()
+    first_bus.subscribe(EarlyStopper("eval_loss", patience=3))
+    with first_bus:
+        for i, v in enumerate(values[:3]):
+            first_bus.publish(EvalEnded(step=i, metrics={"loss": v}))
+        state = first_bus.state_dict()
+    assert state["EarlyStopper"]["best"] == 0.9 and state["EarlyStopper"]["bad"] == 1
+
+    resumed = EarlyStopper("eval_loss", patience=3)
+    second = _bus()
+    second.subscribe(resumed)
+    second.load_state_dict(state)
+    with second:
+        second.publish(EvalEnded(step=3, metrics={"loss": values[3]}))
+        second.flush()
+        assert not second.should_stop
+        second.publish(EvalEnded(step=4, metrics={"loss": values[4]}))
+        second.flush()
+        assert second.should_stop  # as the uninterrupted run: at the same value
+    assert resumed.stopped_at == 4
+    with pytest.raises(ValueError, match="mode"):
+        EarlyStopper("eval_loss", patience=3, mode="max").load_state_dict(state["EarlyStopper"])
+    with pytest.raises(ValueError, match="metric"):
+        ThresholdStopper("loss", 1.0).load_state_dict(state["EarlyStopper"])
+
+
+def test_bad_arguments_are_clear() -> None:
+    with pytest.raises(ValueError, match="patience must be an int >= 1"):
+        EarlyStopper("loss", patience=0)
+    with pytest.raises(ValueError, match="patience"):
+        EarlyStopper("loss", patience=2.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="min_delta must be >= 0"):
+        EarlyStopper("loss", patience=2, min_delta=-1)
+    with pytest.raises(ValueError, match="mode must be 'min'"):
+        EarlyStopper("loss", patience=2, mode="lowest")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="threshold must be a finite number"):
+        ThresholdStopper("loss", math.nan)
+    with pytest.raises(ValueError, match="metric must be a non-empty name"):
+        ThresholdStopper("", 1.0)
+
+
+def test_short_names_build_them_from_a_spec() -> None:
+    s = subscriber_from_spec("early_stop:metric=eval_loss,patience=3,min_delta=0.01")
+    assert isinstance(s, EarlyStopper)
+    assert (s.metric, s.patience, s.min_delta, s.mode) == ("eval_loss", 3, 0.01, "min")
+    t = subscriber_from_spec("threshold_stop:metric=eval/accuracy,threshold=0.9,mode=max")
+    assert isinstance(t, ThresholdStopper) and t.threshold == 0.9 and t.mode == "max"
