@@ -48,10 +48,13 @@ _ORDER = (
     "MemorySample",
     "MemoryLeakSuspected",
     "MemorySnapshotSaved",
+    "TimeEstimate",
+    "ProfileSaved",
     "TensorStats",
     "TensorLayout",
     "DivergenceDetected",
     "StopRequested",
+    "SaveRequested",
     "BusCost",
 )
 

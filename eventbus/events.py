@@ -30,14 +30,17 @@ __all__ = [
     "MemorySample",
     "MemorySnapshotSaved",
     "OptimizerStepped",
+    "ProfileSaved",
     "RunEnded",
     "RunStarted",
+    "SaveRequested",
     "Scalars",
     "StepEnded",
     "StepStarted",
     "StopRequested",
     "TensorLayout",
     "TensorStats",
+    "TimeEstimate",
     "UnknownEvent",
     "event_fields",
     "event_type",
@@ -274,6 +277,27 @@ class MemorySnapshotSaved(Event):
 
 
 @dataclass(slots=True, kw_only=True)
+class TimeEstimate(Event):
+    """Time left until `total_steps` at the recent wall-clock rate (`SpeedMonitor`); `step` is
+    the last step seen. `steps_per_s` includes time between steps (data loading too)."""
+
+    eta_s: float = 0.0
+    total_steps: int = 0
+    steps_per_s: float | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class ProfileSaved(Event):
+    """A `torch.profiler` window was written (`eventbus.torch.profile`): `path` is its Chrome
+    trace (open in Perfetto), `table_path` its `key_averages()` table; `step` its last step."""
+
+    path: str = ""
+    table_path: str = ""
+    first_step: int | None = None
+    steps: int = 0
+
+
+@dataclass(slots=True, kw_only=True)
 class TensorStats(Event):
     """Statistics of one named tensor (weights, grads or activations of a module)."""
 
@@ -294,8 +318,9 @@ class TensorStats(Event):
 class TensorLayout(Event):
     """Dtypes and shapes `watch(what="dtype")` saw change: host metadata, no device work.
 
-    `changed` maps "kind/name" (e.g. "weights/fc.weight", "activations/" for the root) to
-    {"dtype": "torch.bfloat16", "shape": [64, 32]}; the first watched step lists every tensor.
+    `changed` maps "kind/name" (e.g. "weights/fc.weight", "inputs/fc", "activations/" for the
+    root's output) to {"dtype": "torch.bfloat16", "shape": [64, 32]}; the first watched step
+    lists every tensor.
     `tensors` is how many were looked at.
     """
 
@@ -319,6 +344,15 @@ class StopRequested(Event):
 
     reason: str = ""
     abort: bool = False
+    source: str | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class SaveRequested(Event):
+    """Someone asked the loop to save a checkpoint now (`bus.control.request_save`,
+    `eventbus ctl save`); the loop saves when `bus.control.save_requested` reads True."""
+
+    reason: str = ""
     source: str | None = None
 
 

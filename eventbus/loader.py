@@ -20,9 +20,15 @@ SHORT_NAMES: dict[str, str] = {
     "tb": "eventbus.sinks:TensorBoardSink",
     "progress": "eventbus.sinks:ConsoleProgress",
     "console": "eventbus.sinks:ConsoleProgress",
+    "wandb": "eventbus.sinks:WandbSink",
+    "mlflow": "eventbus.sinks:MLflowSink",
+    "prometheus": "eventbus.sinks:PrometheusExporter",
     "divergence": "eventbus.monitors:DivergenceDetector",
     "memory": "eventbus.monitors:MemoryProfiler",
     "speed": "eventbus.monitors:SpeedMonitor",
+    "early_stop": "eventbus.monitors:EarlyStopper",
+    "threshold_stop": "eventbus.monitors:ThresholdStopper",
+    "checkpoint_jobs": "eventbus.monitors:CheckpointJobs",
 }
 
 

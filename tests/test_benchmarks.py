@@ -267,6 +267,27 @@ def test_real_loop_main_prints_and_writes_json(
 
 
 @pytest.mark.slow
+def test_real_loop_tracker_rows_run_and_lose_nothing(monkeypatch: Any) -> None:
+    # Issue 16's rows: W&B offline and MLflow on sqlite, inline and behind the bus (~30 s:
+    # wandb-core's start and MLflow's tables, per block).
+    pytest.importorskip("wandb")
+    if real_loop.mlflow_missing() is not None:
+        pytest.skip(real_loop.mlflow_missing())
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    names = ["none", "mlflow_inline", "eventbus_wandb", "eventbus_mlflow"]
+    out, per_block = real_loop.measure(
+        device="cpu", variants=tuple(names[1:]), blocks=1, steps=3, warmup=1
+    )
+    assert out["real_loop.variants"] == names
+    assert [len(b) for b in per_block["eventbus_mlflow"]] == [3]
+    _real_loop_rows_are_sane(out, names)
+    for sink in ("wandb", "mlflow"):
+        assert out[f"real_loop.eventbus_{sink}_{sink}_dropped"] == 0, sink
+        assert out[f"real_loop.eventbus_{sink}_{sink}_failed"] == 0, sink
+    assert out["real_loop.mlflow_inline_mlflow_version"]
+
+
+@pytest.mark.slow
 def test_real_loop_compiled_rows_run_on_cpu() -> None:
     # One compiled model (shared by both rows): ~15 s with inductor's cache warm, ~30 s cold.
     out, _ = real_loop.measure(
@@ -280,3 +301,14 @@ def test_real_loop_compiled_rows_run_on_cpu() -> None:
     _real_loop_rows_are_sane(out, ["compiled_none", "compiled_eventbus"])
     assert out["real_loop.compiled_none_warmup_dynamo_unique_graphs"] >= 1
     assert out["real_loop.compiled_none_first_step_s"] > 0
+
+
+def test_ctl_cost_tiny_run() -> None:
+    from benchmarks import ctl_cost
+
+    out = ctl_cost.run(blocks=1, steps=ctl_cost.WARMUP_STEPS + 10)
+    assert out["ctl_cost.steps_per_variant"] == 10
+    _positive_numbers(
+        out, ["ctl_cost.bus_p50_ms", "ctl_cost.ctl_p50_ms", "ctl_cost.ctl_polled_p50_ms"]
+    )
+    assert out["ctl_cost.status_requests"] >= 1  # the poller was answered while it ran
