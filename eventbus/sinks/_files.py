@@ -7,11 +7,13 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar, SupportsIndex
+from typing import Any, ClassVar, SupportsIndex, TypeVar
 
 from eventbus.core import BusHandle
 
 __all__ = ["BuiltFromArguments", "check_writable_dir", "check_writable_file", "made_with"]
+
+S = TypeVar("S")
 
 
 class BuiltFromArguments:
@@ -40,6 +42,14 @@ class BuiltFromArguments:
     def placed_in_sidecar(self, bus: BusHandle, reported: Callable[[], Any]) -> None:
         """The bus runs this sink's copy in its sidecar: `stats()` reads what it reports."""
         self._reported = reported
+
+    def reported_or(self, kind: type[S], own: Callable[[], S]) -> S:
+        """This sink's stats: its sidecar copy's latest report when it runs there, else `own()`."""
+        if self._reported is not None:
+            st = self._reported()
+            if isinstance(st, kind):
+                return st
+        return own()
 
 
 def made_with(arguments: dict[str, Any], cls: type[Any]) -> tuple[type[Any], dict[str, Any]]:

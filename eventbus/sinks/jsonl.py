@@ -308,10 +308,9 @@ class JsonlWriter(BuiltFromArguments):
     def stats(self) -> JsonlWriterStats:
         """This writer's own counters (lines, skipped events, lost lines, resume repairs);
         in the sidecar's copy when it runs there (as its latest report says)."""
-        if self._reported is not None:
-            st = self._reported()
-            if isinstance(st, JsonlWriterStats):
-                return st
+        return self.reported_or(JsonlWriterStats, self._own_stats)
+
+    def _own_stats(self) -> JsonlWriterStats:
         f = self._file
         return JsonlWriterStats(
             path=str(f.path) if f.path else None,

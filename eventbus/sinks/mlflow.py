@@ -167,11 +167,7 @@ class MLflowSink(BuiltFromArguments):
 
     def stats(self) -> MLflowStats:
         """Batches, metrics and params logged, what was cut or renamed (the sidecar copy's)."""
-        if self._reported is not None:
-            st = self._reported()
-            if isinstance(st, MLflowStats):
-                return st
-        return MLflowStats(**self._counts)
+        return self.reported_or(MLflowStats, lambda: MLflowStats(**self._counts))
 
     # -- the MLflow run -----------------------------------------------------------------------
 

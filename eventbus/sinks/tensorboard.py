@@ -164,11 +164,7 @@ class TensorBoardSink(BuiltFromArguments):
     def stats(self) -> TensorBoardStats:
         """Histograms written and refused, runs given to the HParams plugin (the sidecar's copy
         when it runs there)."""
-        if self._reported is not None:
-            st = self._reported()
-            if isinstance(st, TensorBoardStats):
-                return st
-        return TensorBoardStats(**self._counts)
+        return self.reported_or(TensorBoardStats, lambda: TensorBoardStats(**self._counts))
 
     def state_dict(self) -> dict[str, Any]:
         """The last step written (a checkpoint's resume point)."""

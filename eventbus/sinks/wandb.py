@@ -148,11 +148,7 @@ class WandbSink(BuiltFromArguments):
 
     def stats(self) -> WandbStats:
         """Log calls, values, alerts and runs (the sidecar copy's, when it runs there)."""
-        if self._reported is not None:
-            st = self._reported()
-            if isinstance(st, WandbStats):
-                return st
-        return WandbStats(**self._counts)
+        return self.reported_or(WandbStats, lambda: WandbStats(**self._counts))
 
     # -- the W&B run --------------------------------------------------------------------------
 

@@ -297,9 +297,12 @@ def test_a_storm_published_in_the_sidecar_is_bounded_and_counted(
         assert bus.flush(timeout=60)  # and delivered
     st = bus.stats()
     assert st.sidecar is not None
-    assert st.sidecar.storm_dropped > 0  # more than the sidecar holds for us: dropped there
-    lost_here = st.feedback_dropped  # and what our inbox refused from the bus side
-    assert len(got.got) + st.sidecar.storm_dropped + lost_here == 4 * 60_000  # all counted
+    # What the sidecar held for us beyond its bound was dropped there, what our inbox refused
+    # from the bus side here (how much of each depends on how fast we took them): memory
+    # stayed bounded on both sides, and every event is either delivered or counted.
+    assert st.inbox_high_water <= 65_536
+    lost_here = st.feedback_dropped
+    assert len(got.got) + st.sidecar.storm_dropped + lost_here == 4 * 60_000
 
 
 def test_cpu_of_a_sidecar_subscriber_is_its_own_and_not_the_bus_threads(new_bus: NewBus) -> None:
