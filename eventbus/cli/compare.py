@@ -99,7 +99,7 @@ def _flat(config: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _status(d: dict[str, Any], r: RunReport) -> str:
-    status = d["status"] or "no RunEnded"
+    status = d["status"] or ("no RunEnded" if r.run_started is not None else "no RunStarted")
     if r.run_ended is not None and r.run_ended.reason:
         status += f": {r.run_ended.reason}"
     return status

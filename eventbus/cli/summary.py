@@ -190,7 +190,12 @@ def summary_lines(r: RunReport) -> list[str]:
     ]
     if r.several_runs:
         lines.append(f"warning:    {r.several_runs}")
-    status = d["status"] or "no RunEnded (still running, or it crashed)"
+    status = d["status"] or (
+        "no RunEnded (still running, or it crashed)"
+        if r.run_started is not None
+        else "no RunEnded: the loop published no RunStarted, so close() ended no run "
+        "(publish RunStarted first)"
+    )
     if r.run_ended is not None and r.run_ended.reason:
         status += f": {r.run_ended.reason}"
     lines.append(f"status:     {status}")

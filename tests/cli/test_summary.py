@@ -74,7 +74,7 @@ def test_summary_reports_failures_and_detections(
     assert "3 failed" in out
     assert "broken" in out
     assert "divergence @3" in out
-    assert "status:     no RunEnded" in out
+    assert "status:     no RunEnded: the loop published no RunStarted" in out
 
 
 def test_summary_of_a_crashed_run_says_losses_are_unknown(
