@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from eventbus.core.cost import totals
 from eventbus.events import BusCost, RunEnded
 
 __all__ = ["cost_dict", "cost_lines"]
@@ -23,7 +24,7 @@ def cost_dict(
     if found is None and run_ended is not None and isinstance(run_ended.cost, dict):
         found = ("RunEnded", dict(run_ended.cost), run_ended.cost.get("subscriber_cpu_s"))
     if found is None and last is not None:
-        found = ("BusCost", _fields(last), last.subscriber_cpu_s)
+        found = ("BusCost", totals(last), last.subscriber_cpu_s)
     if found is None:
         return None
     source, c, cpu = found
@@ -92,14 +93,6 @@ def _from_records(records: list[dict[str, Any]]) -> tuple[str, dict[str, Any], A
     items = subs.items() if isinstance(subs, dict) else ()
     cpu = {n: s.get("cpu_s") for n, s in items if isinstance(s, dict)}
     return "stats record", bus["cost"], cpu
-
-
-def _fields(b: BusCost) -> dict[str, Any]:
-    return {k: getattr(b, k) for k in ("steps", "share", "publish_s", "bus_cpu_s")} | {
-        "publish_ms_p50": b.publish_ms_p50,
-        "publish_ms_p99": b.publish_ms_p99,
-        "step_ms_p50": b.step_ms_p50,
-    }
 
 
 def _num(v: Any) -> float | None:

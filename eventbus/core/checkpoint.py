@@ -19,13 +19,15 @@ def in_a_fork(call: str) -> RuntimeError:
 
 
 class Remotes(Protocol):
-    """Subscribers held elsewhere (the sidecar process), by name."""
+    """Subscribers held elsewhere (the sidecar process), by name: their state and CPU."""
 
     def names(self) -> set[str]: ...
 
     def state_dicts(self) -> dict[str, Any]: ...
 
     def load_state_dicts(self, states: dict[str, Any]) -> None: ...
+
+    def cpu_s(self) -> dict[str, float]: ...
 
 
 def states(deliveries: Iterable[Delivery], remotes: Remotes | None = None) -> dict[str, Any]:

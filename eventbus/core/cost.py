@@ -1,6 +1,6 @@
 """What the bus costs the training process: time inside `publish`, per step, and bus-side CPU.
 
-    publish (any thread)  --> PublishClock: two clock reads and three integer updates a call
+    publish (any thread)  --> PublishClock: one clock read more than the stamp's, an add
     bus thread, each drain --> CostMeter.tick: a `BusCost` event every `every` steps
     stats() / close        --> CostMeter.stats: `CostStats`, and the totals `RunEnded` carries
 
@@ -12,6 +12,7 @@ count anything depends on.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import types
@@ -23,9 +24,10 @@ from eventbus.events import BusCost, Event, RunEnded
 from eventbus.stats import CostStats
 
 if TYPE_CHECKING:
+    from eventbus.core.checkpoint import Remotes
     from eventbus.core.delivery import Delivery
 
-__all__ = ["CostMeter", "CpuMeter", "PublishClock", "cpu_of", "cpu_timed"]
+__all__ = ["CostMeter", "CpuMeter", "PublishClock", "cpu_of", "cpu_timed", "totals"]
 
 RECENT = 4096  # steps kept for the per-step quantiles
 MIN_GAP_S = 1.0  # at most one BusCost a second: a loop of 100k tiny steps/s pays no more
@@ -62,7 +64,7 @@ class PublishClock:
         return None if self.step == _NO_STEP else self.step
 
     def roll(self, step: int, now: int) -> None:
-        """The first event of `step`, a higher step than any before, at `now` (perf ns)."""
+        """The first event of `step`, a higher step than any before, at `now` (`time_ns`)."""
         if self.step == _NO_STEP:
             self.first_ns, self.first_t = self.ns, now
         else:
@@ -122,18 +124,11 @@ class CostMeter:
 
     def event(self) -> BusCost:
         """The totals as an event, at the last step seen."""
-        s = self.stats()
+        s = dataclasses.asdict(self.stats())
         return BusCost(
-            step=self.clock.step if s.steps else None,
-            steps=s.steps,
-            publish_calls=s.publish_calls,
-            publish_s=s.publish_s,
-            publish_ms_p50=s.publish_ms_p50,
-            publish_ms_p99=s.publish_ms_p99,
-            step_ms_p50=s.step_ms_p50,
-            share=s.share,
-            bus_cpu_s=s.bus_cpu_s,
+            step=self.clock.last,
             subscriber_cpu_s=dict(self.subscriber_cpu()),
+            **{k: s[k] for k in _TOTALS if k in s},
         )
 
     def tick(self, publish: Callable[[Event], None]) -> None:
@@ -154,8 +149,7 @@ class CostMeter:
     def fill(self, ev: RunEnded) -> None:
         """Give a `RunEnded` that has none the totals (on the bus thread, before delivery)."""
         if ev.cost is None:
-            b = self.event()
-            ev.cost = {k: getattr(b, k) for k in _TOTALS}
+            ev.cost = totals(self.event())
 
 
 def cpu_of(deliveries: Iterable[Delivery], remotes: Remotes | None) -> dict[str, float]:
@@ -166,13 +160,12 @@ def cpu_of(deliveries: Iterable[Delivery], remotes: Remotes | None) -> dict[str,
     return out
 
 
-class Remotes(Protocol):
-    """Subscribers held elsewhere (the sidecar process)."""
-
-    def cpu_s(self) -> dict[str, float]: ...
-
-
 _TOTALS = tuple(f for f in BusCost.__dataclass_fields__ if f not in Event.__dataclass_fields__)
+
+
+def totals(b: BusCost) -> dict[str, Any]:
+    """A `BusCost`'s figures as plain data: what `RunEnded.cost` holds."""
+    return {k: getattr(b, k) for k in _TOTALS}
 
 
 @types.coroutine
