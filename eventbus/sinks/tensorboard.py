@@ -129,8 +129,7 @@ class TensorBoardSink(BuiltFromArguments):
     def on_events(self, batch: list[Event]) -> None:
         """Write each event's scalars, histograms and text."""
         if self._run_dir is None:  # a run's first events: say whether it resumes the last
-            resume = self._restarted or self._purge_step is not None or is_resume(batch)
-            self._run_dir = run_place(lambda n: run_dir(self.log_dir, n), self._used, resume=resume)
+            self._run_dir = self._place(resume=is_resume(batch))
         for ev in batch:
             rank = self._bus_rank if ev.rank is None else ev.rank
             if self.ranks is not None and rank not in self.ranks:
@@ -180,10 +179,12 @@ class TensorBoardSink(BuiltFromArguments):
     def run_dir(self) -> Path:
         """Where this run writes: `log_dir`, or `log_dir/run-N` when an earlier run wrote
         there and this one does not resume it (`eventbus.sinks._runs`)."""
-        if self._run_dir is None:
-            resume = self._restarted or self._purge_step is not None
-            return run_place(lambda n: run_dir(self.log_dir, n), self._used, resume=resume)
-        return self._run_dir
+        return self._place(resume=False) if self._run_dir is None else self._run_dir
+
+    def _place(self, *, resume: bool) -> Path:
+        """The run directory: a new one, or the newest for a resume (said here or before)."""
+        resume = resume or self._restarted or self._purge_step is not None
+        return run_place(lambda n: run_dir(self.log_dir, n), self._used, resume=resume)
 
     def _used(self, d: Path) -> bool:
         """An earlier run wrote this rank's TensorBoard files in run directory `d`."""
