@@ -5,13 +5,19 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, ClassVar, SupportsIndex, TypeVar
 
 from eventbus.core import BusHandle
 
-__all__ = ["BuiltFromArguments", "check_writable_dir", "check_writable_file", "made_with"]
+__all__ = [
+    "BuiltFromArguments",
+    "check_ranks",
+    "check_writable_dir",
+    "check_writable_file",
+    "made_with",
+]
 
 S = TypeVar("S")
 
@@ -110,3 +116,15 @@ def check_writable_file(path: Path, who: str) -> Path:
         raise _error(who, path, e, "to file") from None
     os.close(fd)
     return path
+
+
+def check_ranks(ranks: Iterable[int] | None) -> tuple[int, ...] | None:
+    """`ranks` as a tuple of ints (None: every rank); ValueError for anything else."""
+    if ranks is None:
+        return None
+    if not isinstance(ranks, Iterable):
+        raise TypeError(f"ranks must be a tuple of ints such as (0,), or None; got {ranks!r}")
+    out = tuple(ranks)
+    if not out or not all(isinstance(r, int) and not isinstance(r, bool) for r in out):
+        raise ValueError(f"ranks must be a non-empty tuple of ints or None, got {out!r}")
+    return out

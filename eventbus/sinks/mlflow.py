@@ -37,10 +37,10 @@ from eventbus.events import (
     StopRequested,
 )
 from eventbus.log import get_logger
-from eventbus.sinks._files import BuiltFromArguments, made_with
+from eventbus.sinks._files import BuiltFromArguments, check_ranks, made_with
 from eventbus.sinks._scalars import StepClock
 from eventbus.sinks._tb_summaries import texts_of
-from eventbus.sinks._trackers import check_ranks, require
+from eventbus.sinks._trackers import require
 from eventbus.sinks._tracking_uri import check_tracking_uri
 
 __all__ = ["MLflowSink", "MLflowStats"]

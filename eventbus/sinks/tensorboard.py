@@ -34,7 +34,7 @@ from eventbus.events import (
     TensorStats,
 )
 from eventbus.log import RateLimiter, get_logger
-from eventbus.sinks._files import BuiltFromArguments, check_writable_dir, made_with
+from eventbus.sinks._files import BuiltFromArguments, check_ranks, check_writable_dir, made_with
 from eventbus.sinks._runs import is_resume, run_dir, run_place
 from eventbus.sinks._scalars import scalars as _scalars
 from eventbus.sinks._tb_summaries import (
@@ -95,12 +95,8 @@ class TensorBoardSink(BuiltFromArguments):
             raise ValueError(f"flush_secs must be > 0 seconds, got {flush_secs!r}")
         if resume_from_step is not None and not isinstance(resume_from_step, int):
             raise TypeError(f"resume_from_step must be an int step, got {resume_from_step!r}")
-        if ranks is not None:
-            ranks = tuple(ranks)
-            if not ranks or not all(isinstance(r, int) for r in ranks):
-                raise ValueError(f"ranks must be a non-empty tuple of ints or None, got {ranks!r}")
-        self.ranks: tuple[int, ...] | None = ranks
-        self._made_with[1]["ranks"] = ranks  # a generator given is spent: its tuple
+        self.ranks: tuple[int, ...] | None = check_ranks(ranks)
+        self._made_with[1]["ranks"] = self.ranks  # a generator given is spent: its tuple
         self.log_dir = check_writable_dir(Path(log_dir), "TensorBoardSink")
         self.flush_secs = flush_secs
         self.max_queue = max_queue

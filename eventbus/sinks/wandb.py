@@ -30,10 +30,10 @@ from eventbus.events import (
     StopRequested,
 )
 from eventbus.log import RateLimiter, get_logger
-from eventbus.sinks._files import BuiltFromArguments, check_writable_dir, made_with
+from eventbus.sinks._files import BuiltFromArguments, check_ranks, check_writable_dir, made_with
 from eventbus.sinks._scalars import StepClock, num
 from eventbus.sinks._tb_summaries import texts_of
-from eventbus.sinks._trackers import SUCCEEDED, check_ranks, require
+from eventbus.sinks._trackers import SUCCEEDED, require
 
 __all__ = ["WandbSink", "WandbStats"]
 
