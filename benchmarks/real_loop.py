@@ -530,6 +530,11 @@ def _timed_block(v: Variant, steps: int, warmup: int) -> list[float]:
     return out
 
 
+def _say(line: str) -> None:
+    """Progress on stderr as it happens: a run cut short still shows what it measured."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def _warm_up(v: Variant) -> dict[str, float]:
     """The first steps of a variant (compilation happens here); their times."""
     times = []
@@ -681,13 +686,20 @@ def _run_variants(
             t = _warm_up(v)
             out[f"{v.name}_first_step_s"] = round(t["first_step_s"], 3)
             out[f"{v.name}_warmup_s"] = round(t["warmup_s"], 3)
+            _say(f"{v.name}: warm-up {t['warmup_s']:.1f} s (first step {t['first_step_s']:.1f} s)")
             if v.model.compiled:
                 after = _dynamo_counts()
                 for k, x in after.items():
                     out[f"{v.name}_warmup_dynamo_{k}"] = x - before.get(k, 0)
 
         def block_of(v: Variant) -> Callable[[int], list[float]]:
-            return lambda _block: _timed_block(v, s.steps, s.warmup)
+            def block(i: int) -> list[float]:
+                times = _timed_block(v, s.steps, s.warmup)
+                mean_ms = 1e3 * sum(times) / len(times)
+                _say(f"{v.name}: block {i + 1}/{s.blocks}, mean {mean_ms:.2f} ms")
+                return times
+
+            return block
 
         fns = {name: block_of(v) for name, v in variants.items()}
         graphs0 = _dynamo_counts().get("unique_graphs", 0)
