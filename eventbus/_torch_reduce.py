@@ -19,6 +19,12 @@ The partials ("parts"), in order:
 For one tensor they are 0-d (counts (3,), hist (bins,)); for a packed buffer of k tensors they
 have a leading dimension k (counts (k, 3), hist (k, bins)).
 
+On a GPU, eagerly, a tensor of more than `SMALL` elements is reduced by `_whole` compiled once
+(`fused`): inductor fuses it into one or two kernels that read the tensor once and allocate
+nothing of its size; a histogram is then binned chunk by chunk. A chunked reduction costs a
+launch per op per chunk, ~10 us each on a GPU: thousands for GPT-2's activations. Where
+compiling fails (no Triton, no compiler), it logs why once and chunks as below.
+
 Temporaries: eager, a tensor of more than `CHUNK` elements is reduced in chunks (views), so
 no temporary exceeds a chunk: the NaN/Inf comparison (3 bytes an element), a float32 copy of
 a bfloat16/float16/float64 chunk (4), for histograms the rescaled chunk (4). Under
@@ -29,11 +35,23 @@ Nothing here reads a device value; the comments mark what would sync if written 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["CHUNK", "PACK", "SMALL", "host_tensor", "on_host", "reduce_packed", "reduce_tensor"]
+from eventbus.log import get_logger
+
+__all__ = [
+    "CHUNK",
+    "PACK",
+    "SMALL",
+    "fused",
+    "host_tensor",
+    "on_host",
+    "reduce_packed",
+    "reduce_tensor",
+]
 
 CHUNK = 1 << 20
 """Elements per chunk when an eager tensor is reduced in pieces (bounds each temporary)."""
@@ -41,6 +59,9 @@ SMALL = 1 << 15
 """`measure_many` packs tensors of at most this many elements; larger ones go one by one."""
 PACK = 1 << 17
 """Elements in one packed buffer (`reduce_packed`)."""
+
+FUSE_ON = ("cuda",)
+"""Devices whose eager tensors of more than `SMALL` elements are reduced by `_stats` compiled."""
 
 _INF = math.inf
 _TINY = torch.finfo(torch.float32).tiny
@@ -117,9 +138,67 @@ def reduce_tensor(t: torch.Tensor, bins: int) -> Parts:
             x = x.float()
         if x.numel() == 0:
             return _empty(x, bins)
-        if torch.compiler.is_compiling() or x.numel() <= CHUNK:
+        if torch.compiler.is_compiling():
+            return _whole(x, bins)
+        if x.numel() > SMALL and x.device.type in FUSE_ON and x.is_contiguous():
+            parts = _fused_parts(x, bins)
+            if parts is not None:
+                return parts
+        if x.numel() <= CHUNK:
             return _whole(x, bins)
         return _chunked(x, bins)
+
+
+class _Fused:
+    """`_stats` compiled once, or why it cannot be (one owner for that state)."""
+
+    fn: Callable[..., Parts] | None = None
+    failed: str | None = None
+
+
+def fused() -> str | None:
+    """Why eager CUDA tensors are reduced in chunks rather than fused; None while fusing works."""
+    return _Fused.failed
+
+
+def _stats(x: torch.Tensor) -> Parts:
+    """var, mean, lo, hi, counts, flo, fhi: `_whole` less the histogram (traced, fused)."""
+    (var, mean, counts, flo, fhi), _ = _piece(x, 1, moments=True)
+    return (var, mean, *torch.aminmax(x), counts, flo, fhi)
+
+
+def _fused_parts(x: torch.Tensor, bins: int) -> Parts | None:
+    """`x`'s partials with the statistics fused into one compiled function; None: chunk."""
+    if _Fused.failed is not None:
+        return None
+    if _Fused.fn is None:
+        if os.environ.get("EVENTBUS_FUSED_STATS", "1") == "0":
+            _Fused.failed = "EVENTBUS_FUSED_STATS=0"
+            return None
+        # dynamic=True: one graph per dtype, not per size. The finite range is always computed
+        # (fused, it costs no extra pass) and autocast is off: neither doubles the graphs.
+        _Fused.fn = torch.compile(_stats, dynamic=True, fullgraph=True)
+    try:
+        with torch.autocast(x.device.type, enabled=False):
+            parts = _Fused.fn(x.detach().view(-1))
+    except Exception as e:  # no Triton or compiler here: chunked from now on, said once
+        _Fused.failed = f"{type(e).__name__}: {str(e)[:300]}"
+        get_logger().warning(
+            "watch(): statistics of large GPU tensors cannot be fused by torch.compile "
+            "here, so they are reduced in chunks (many more kernel launches). Set "
+            "EVENTBUS_FUSED_STATS=0 to skip the attempt",
+            reason=_Fused.failed,
+        )
+        return None
+    if not bins:
+        return parts[:5]
+    flo, fhi = parts[5], parts[6]
+    span = (fhi - flo).clamp_min_(_TINY)
+    # A chunk at a time: histc has no fused kernel, and a whole-tensor float32 copy would not
+    # be bounded. float32 counts are exact per chunk (under 2**24); summed in float64.
+    hists = [_hist(_f32(p), p, flo, span, bins) for p in _pieces(x)]
+    hist = hists[0] if len(hists) == 1 else torch.stack(hists).sum(0, dtype=torch.float64)
+    return (*parts, hist)
 
 
 def _piece(p: torch.Tensor, bins: int, moments: bool) -> tuple[list[torch.Tensor], torch.Tensor]:

@@ -289,6 +289,69 @@ def test_reduce_tensor_compiles_with_inductor(fresh_dynamo: None) -> None:
     _same_parts(compiled(t), reduce_tensor(t, 0))
 
 
+@pytest.fixture
+def fused_here(monkeypatch: pytest.MonkeyPatch, fresh_dynamo: None) -> None:
+    """The GPU's fused path on CPU tensors (inductor compiles for the CPU alike)."""
+    monkeypatch.setattr(tr, "FUSE_ON", ("cuda", "cpu"))
+    monkeypatch.setattr(tr, "SMALL", 64)
+    monkeypatch.setattr(tr, "CHUNK", 97)  # the histogram's chunks
+    monkeypatch.setattr(tr._Fused, "fn", None)
+    monkeypatch.setattr(tr._Fused, "failed", None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bins", [0, 7])
+def test_large_device_tensors_are_fused_and_equal_eager(
+    fused_here: None, dtype: torch.dtype, bins: int
+) -> None:
+    for t in _tensors(dtype):
+        got = _values(tensor_stats(t, name="x", bins=bins))
+        _same(got, _eager(t, bins), rel=2e-6)
+    assert tr.fused() is None and tr._Fused.fn is not None
+
+
+@pytest.mark.slow
+def test_fusing_compiles_one_graph_per_dtype(fused_here: None) -> None:
+    from torch._dynamo.utils import counters
+
+    before = counters["stats"]["unique_graphs"]
+    g = torch.Generator().manual_seed(7)
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in (300, 1000, 4097):  # sizes differ: dynamic shapes, no recompile
+            t = torch.randn(n, generator=g).to(dtype)
+            for bins in (0, 7):  # with and without a histogram
+                for cast in (False, True):  # inside and outside autocast (watch's hooks)
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cast):
+                        _same(_values(tensor_stats(t, name="x", bins=bins)), _eager(t, bins))
+    assert counters["stats"]["unique_graphs"] - before == 2
+
+
+def test_when_compiling_fails_it_says_why_once_and_chunks(
+    fused_here: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(fn: Any, **kw: Any) -> Any:
+        def run(*a: Any) -> Any:
+            raise RuntimeError("no triton here")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    t = torch.randn(300, generator=torch.Generator().manual_seed(5))
+    for _ in range(2):
+        _same(_values(tensor_stats(t, name="x", bins=5)), _eager(t, 5))
+    assert tr.fused() == "RuntimeError: no triton here"
+    said = [r for r in caplog.records if "cannot be fused" in r.getMessage()]
+    assert len(said) == 1
+
+
+def test_fusing_can_be_turned_off(fused_here: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EVENTBUS_FUSED_STATS", "0")
+    t = torch.randn(300, generator=torch.Generator().manual_seed(6))
+    _same(_values(tensor_stats(t, name="x", bins=0)), _eager(t, 0))
+    assert tr.fused() == "EVENTBUS_FUSED_STATS=0" and tr._Fused.fn is None
+
+
 # -- what it costs: ops and temporaries (CPU proxies) ---------------------------------------
 
 
