@@ -356,6 +356,19 @@ class Rings:
             self.rings[key] = ring
             return ring
 
+    def unstick(self) -> int:
+        """Bus thread: queue the copy of every full ring, so its writers stop falling back.
+
+        A ring's slots are copied when a routed event's slot is first polled; if every event
+        holding one was dropped before routing (an inbox storm), nothing polls it and, once
+        full, it would stay full. Never waits; returns how many rings it copied.
+        """
+        n = 0
+        for ring in list(self.rings.values()):
+            if ring.written - ring.copied >= ring.size and ring.drain(ring.open):
+                n += 1
+        return n
+
     def statistics(self) -> dict[str, int]:
         """rings; written (scalars put in a ring); fallbacks (full, busy, or no ring); copies."""
         rings = list(self.rings.values())

@@ -108,6 +108,30 @@ def test_a_full_ring_falls_back_and_counts_it() -> None:
     assert rings.statistics() == {"rings": 1, "written": 16, "fallbacks": 2, "copies": 2}
 
 
+def test_a_ring_full_of_slots_nobody_polls_is_copied_by_the_bus_thread() -> None:
+    rings = Rings(size=8)
+    for i in range(8):  # their events were dropped before routing: no slot is ever polled
+        rings.put(torch.tensor(float(i)))
+    assert rings.put(torch.tensor(99.0)) is None
+    assert rings.unstick() == 1
+    assert rings.unstick() == 0  # not full any more: nothing to do
+    later = [rings.put(torch.tensor(100.0 + i)) for i in range(8)]
+    assert _drained(later) == [100.0 + i for i in range(8)]  # type: ignore[arg-type]
+    assert rings.statistics() == {"rings": 1, "written": 16, "fallbacks": 1, "copies": 2}
+
+
+def test_the_router_unsticks_rings_on_each_drain(monkeypatch: pytest.MonkeyPatch) -> None:
+    rings = Rings(size=4)
+    for i in range(4):
+        rings.put(torch.tensor(float(i)))
+    monkeypatch.setattr("eventbus.core.router.RINGS", rings)
+    with EventBus(drain_interval=0.002) as bus:
+        bus.publish(Loss(step=1, value=1.0))
+        assert bus.flush(timeout=10)
+    assert rings.statistics()["copies"] == 1
+    assert rings.put(torch.tensor(5.0)) is not None
+
+
 def test_slots_rewritten_after_the_copy_do_not_change_what_was_copied() -> None:
     ring = ScalarRing(torch.float32, size=4)
     old = [ring.put(torch.tensor(float(i))) for i in range(4)]

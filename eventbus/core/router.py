@@ -15,7 +15,7 @@ from typing import Any
 
 import anyio
 
-from eventbus.capture import pending_of, resolve
+from eventbus.capture import RINGS, pending_of, resolve
 from eventbus.core.delivery import Delivery
 from eventbus.core.inbox import Attach, Boxed, Detach, Flush, Inbox
 from eventbus.core.subscriber import State
@@ -115,6 +115,8 @@ class Router:
                 await self._route_all(inbox.items, min(inbox.note_high_water(), chunk), force)
             finally:
                 inbox.space()  # publishers waiting on a full inbox look again
+            if RINGS.rings:  # scalar rings whose slots only dropped events held: copy them
+                RINGS.unstick()
 
     async def _route_all(self, items: deque[Any], n: int, force: bool) -> None:
         """Pop and route `n` items straight from the inbox: one in hand at a time, so what a
