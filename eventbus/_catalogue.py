@@ -49,6 +49,8 @@ _ORDER = (
     "MemoryLeakSuspected",
     "MemorySnapshotSaved",
     "TimeEstimate",
+    "StallDetected",
+    "StallEnded",
     "ProfileSaved",
     "TensorStats",
     "TensorLayout",

@@ -29,6 +29,7 @@ SHORT_NAMES: dict[str, str] = {
     "early_stop": "eventbus.monitors:EarlyStopper",
     "threshold_stop": "eventbus.monitors:ThresholdStopper",
     "checkpoint_jobs": "eventbus.monitors:CheckpointJobs",
+    "watchdog": "eventbus.monitors:HangWatchdog",
 }
 
 

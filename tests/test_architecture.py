@@ -47,6 +47,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
 LAYERS: dict[str, str] = {
     # the event types: import nothing of ours
     "eventbus.events": EVENTS,
+    "eventbus._event_base": EVENTS,
     # the delivery engine and what it stands on
     "eventbus.core": CORE,
     "eventbus.core.delivery": CORE,
@@ -127,6 +128,7 @@ LAYERS: dict[str, str] = {
     "eventbus.monitors._metric": SUBSCRIBERS,
     "eventbus.monitors.checkpoint_jobs": SUBSCRIBERS,
     "eventbus.monitors.stoppers": SUBSCRIBERS,
+    "eventbus.monitors.watchdog": SUBSCRIBERS,
     # eventbus ctl: the wire, sockets and client (core), the server a user subscribes
     "eventbus.ctl": SUBSCRIBERS,
     "eventbus.ctl.client": CORE,

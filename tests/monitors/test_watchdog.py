@@ -1,0 +1,144 @@
+"""HangWatchdog: a loop blocked in a wait or a sleep is reported with its stack, the resumed
+step reports the stall's length, and a pause published as such is not a stall."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from eventbus import Event, EventBus
+from eventbus.events import RunEnded, StallDetected, StallEnded, StepEnded
+from eventbus.monitors import HangWatchdog
+
+FLOOR = 0.3  # seconds without a step that make a stall here
+
+
+class Seen:
+    """Keeps StallDetected / StallEnded and signals each arrival."""
+
+    events = (StallDetected, StallEnded)
+    policy = "block"
+
+    def __init__(self) -> None:
+        self.got: list[Event] = []
+        self.detected = threading.Event()
+        self.ended = threading.Event()
+
+    async def on_events(self, batch: list[Event]) -> None:
+        for ev in batch:
+            self.got.append(ev)
+            (self.detected if isinstance(ev, StallDetected) else self.ended).set()
+
+
+@pytest.fixture
+def watched(tmp_path: Path) -> Iterator[tuple[EventBus, HangWatchdog, Seen]]:
+    bus = EventBus(drain_interval=0.005)
+    dog = HangWatchdog(floor_s=FLOOR, ceiling_s=30.0, factor=5.0, dir=tmp_path, check_s=0.02)
+    seen = Seen()
+    bus.subscribe(dog)
+    bus.subscribe(seen)
+    with bus:
+        yield bus, dog, seen
+
+
+def _steps(bus: EventBus, first: int, n: int) -> None:
+    for i in range(first, first + n):
+        with bus.step(i):
+            pass
+
+
+def blocked_in_a_wait(release: threading.Event) -> None:
+    release.wait(30)
+
+
+def blocked_in_a_sleep(release: threading.Event) -> None:
+    time.sleep(3 * FLOOR)  # what is being detected: a loop stuck in a sleep
+
+
+@pytest.mark.parametrize("block", [blocked_in_a_wait, blocked_in_a_sleep])
+def test_a_stuck_loop_is_reported_with_its_frame_and_the_resumed_step_says_how_long(
+    watched: tuple[EventBus, HangWatchdog, Seen], block: Callable[[threading.Event], None]
+) -> None:
+    bus, dog, seen = watched
+    release = threading.Event()
+
+    def train() -> None:
+        _steps(bus, 0, 20)
+        block(release)
+        _steps(bus, 20, 1)
+
+    t = threading.Thread(target=train, name="trainer")
+    t.start()
+    try:
+        assert seen.detected.wait(20), "no StallDetected"
+        release.set()
+        assert seen.ended.wait(20), "no StallEnded"
+    finally:
+        release.set()
+        t.join(30)
+    stall = next(ev for ev in seen.got if isinstance(ev, StallDetected))
+    assert stall.step == 19
+    assert stall.bound_s == FLOOR  # 5 x a step of microseconds: the floor
+    assert stall.waited_s >= FLOOR
+    assert f"in {block.__name__}" in stall.stacks and 'Thread "trainer"' in stall.stacks
+    assert stall.path is not None and block.__name__ in Path(stall.path).read_text()
+    ended = next(ev for ev in seen.got if isinstance(ev, StallEnded))
+    assert ended.step == 20 and ended.stalled_s >= stall.waited_s
+    assert [type(ev) for ev in seen.got] == [StallDetected, StallEnded]
+    assert dog.stalls == 1
+
+
+def test_a_pause_is_not_a_stall(watched: tuple[EventBus, HangWatchdog, Seen]) -> None:
+    bus, dog, seen = watched
+    _steps(bus, 0, 10)
+    with dog.pause("checkpoint"):
+        time.sleep(3 * FLOOR)  # the save being simulated: longer than the bound on purpose
+    _steps(bus, 10, 5)
+    assert bus.flush(timeout=10)
+    assert seen.got == [] and dog.stalls == 0
+
+
+def test_after_run_ended_nothing_is_a_stall(watched: tuple[EventBus, HangWatchdog, Seen]) -> None:
+    bus, dog, seen = watched
+    _steps(bus, 0, 5)
+    bus.publish(RunEnded(status="completed"))
+    assert bus.flush(timeout=10)
+    time.sleep(3 * FLOOR)  # the idle time being checked: no step, no run
+    assert seen.got == [] and dog.stalls == 0
+
+
+def _dog_saw(gaps_s: list[float], **kw: Any) -> HangWatchdog:
+    dog = HangWatchdog(**kw)
+    ts = 0
+    for i, gap in enumerate(gaps_s):
+        ts += int(gap * 1e9)
+        dog._step_ended(StepEnded(step=i, ts=ts))
+    return dog
+
+
+def test_the_bound_follows_the_median_step_within_floor_and_ceiling() -> None:
+    assert _dog_saw([1.0] * 3, factor=10, floor_s=5, ceiling_s=100).bound() == 10.0
+    assert _dog_saw([0.1] * 3, factor=10, floor_s=5, ceiling_s=100).bound() == 5.0
+    assert _dog_saw([60.0] * 3, factor=10, floor_s=5, ceiling_s=100).bound() == 100.0
+    one_slow = [1.0, 1.0, 50.0, 1.0, 1.0]
+    assert _dog_saw(one_slow, factor=10, floor_s=5, ceiling_s=100).bound() == 10.0
+    # before `warmup_steps` steps ended (compilation, caches): the ceiling
+    assert _dog_saw([1.0], factor=10, floor_s=5, ceiling_s=100, warmup_steps=2).bound() == 100.0
+
+
+def test_bad_bounds_are_refused_at_construction() -> None:
+    with pytest.raises(ValueError, match="floor_s <= ceiling_s"):
+        HangWatchdog(floor_s=10, ceiling_s=5)
+    with pytest.raises(ValueError, match="factor"):
+        HangWatchdog(factor=0)
+
+
+def test_it_refuses_the_sidecar_and_says_why() -> None:
+    with pytest.raises(TypeError, match="training process"):
+        pickle.dumps(HangWatchdog())
