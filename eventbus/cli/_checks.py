@@ -21,6 +21,8 @@ from eventbus.events import (
     RunEnded,
     RunStarted,
     Scalars,
+    StallDetected,
+    StallEnded,
     StepEnded,
     StopRequested,
 )
@@ -66,6 +68,11 @@ def check_event(ev: Event) -> None:
         _text(ev, "reason")
     elif isinstance(ev, CheckpointSaved | CheckpointLoaded):
         _text(ev, "path", optional=False)
+    elif isinstance(ev, StallDetected):
+        _numbers(ev, "waited_s", "bound_s", optional=False)
+        _text(ev, "path")
+    elif isinstance(ev, StallEnded):
+        _numbers(ev, "stalled_s", optional=False)
 
 
 def as_float(v: Any) -> float | None:

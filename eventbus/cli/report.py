@@ -28,6 +28,8 @@ from eventbus.events import (
     OptimizerStepped,
     RunEnded,
     RunStarted,
+    StallDetected,
+    StallEnded,
     StepEnded,
     StopRequested,
     TimeEstimate,
@@ -196,7 +198,10 @@ class RunReport:
         check_event(ev)
         if type(ev) is RunStarted and ev.resumed_from_step is None:
             self.fresh_starts[path] = self.fresh_starts.get(path, 0) + 1
-        if isinstance(ev, DivergenceDetected | MemoryLeakSuspected | StopRequested):
+        if isinstance(
+            ev,
+            DivergenceDetected | MemoryLeakSuspected | StopRequested | StallDetected | StallEnded,
+        ):
             self.detections.append(ev)
         elif rank == self._rank0:  # series and throughput from one rank (the lowest)
             self._series(ev)

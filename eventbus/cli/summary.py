@@ -17,7 +17,13 @@ from eventbus.cli.compare import compare_lines
 from eventbus.cli.cost import cost_dict, cost_lines
 from eventbus.cli.report import RunReport
 from eventbus.cli.runs import read_runs, run_names
-from eventbus.events import DivergenceDetected, MemoryLeakSuspected, StopRequested
+from eventbus.events import (
+    DivergenceDetected,
+    MemoryLeakSuspected,
+    StallDetected,
+    StallEnded,
+    StopRequested,
+)
 
 __all__ = ["add_parser", "run", "summary_dict", "summary_lines"]
 
@@ -122,6 +128,12 @@ def summary_dict(r: RunReport) -> dict[str, Any]:
                 if isinstance(d, StopRequested)
                 else {}
             ),
+            **(
+                {"waited_s": d.waited_s, "bound_s": d.bound_s, "path": d.path}
+                if isinstance(d, StallDetected)
+                else {}
+            ),
+            **({"stalled_s": d.stalled_s} if isinstance(d, StallEnded) else {}),
         }
         for d in r.detections
     ]
@@ -309,4 +321,9 @@ def _detection(x: dict[str, Any], *, multi_rank: bool) -> str:
             f"memory leak {at}: {x['metric']} +{x['rate_mb_per_step']:.3g} MB/step "
             f"over {x['window']} steps"
         )
+    if t == "StallDetected":
+        where = f"; stacks in {x['path']}" if x["path"] else ""
+        return f"stall {at}: no step for {x['waited_s']:.1f} s (bound {x['bound_s']:.1f} s){where}"
+    if t == "StallEnded":
+        return f"stall ended {at}: no step had ended for {x['stalled_s']:.1f} s"
     return f"{'abort' if x['abort'] else 'stop'} {at} by {x['source']}: {x['reason']}"

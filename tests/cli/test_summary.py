@@ -18,6 +18,8 @@ from eventbus.events import (
     Loss,
     RunEnded,
     RunStarted,
+    StallDetected,
+    StallEnded,
     StepEnded,
     StopRequested,
     TimeEstimate,
@@ -75,6 +77,21 @@ def test_summary_reports_failures_and_detections(
     assert "broken" in out
     assert "divergence @3" in out
     assert "status:     no RunEnded: the loop published no RunStarted" in out
+
+
+def test_summary_shows_stalls(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with EventBus(drain_interval=0.002) as bus:
+        bus.subscribe(JsonlWriter(tmp_path))
+        bus.publish(StallDetected(step=19, waited_s=75.5, bound_s=60.0, stacks="...", path="s.txt"))
+        bus.publish(StallEnded(step=20, stalled_s=91.25))
+    assert main(["summary", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "stall @19: no step for 75.5 s (bound 60.0 s); stacks in s.txt" in out
+    assert "stall ended @20: no step had ended for 91.2 s" in out
+    assert main(["summary", "--json", str(tmp_path)]) == 0
+    got = orjson.loads(capsys.readouterr().out)["detections"]
+    assert [(d["type"], d["step"]) for d in got] == [("StallDetected", 19), ("StallEnded", 20)]
+    assert got[0]["waited_s"] == 75.5 and got[1]["stalled_s"] == 91.25
 
 
 def test_summary_of_a_crashed_run_says_losses_are_unknown(
