@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import statistics
 import sys
 import threading
@@ -85,11 +86,21 @@ class HangWatchdog:
         window: int = 50,
         dir: str | os.PathLike[str] | None = None,
         check_s: float | None = None,
+        action: str = "warn",
+        abort_after_s: float | None = None,
+        exit_after_s: float = 60.0,
     ) -> None:
         if not 0 < floor_s <= ceiling_s:
             raise ValueError(f"need 0 < floor_s <= ceiling_s; got {floor_s} and {ceiling_s}")
         if factor <= 0 or window < 1 or warmup_steps < 0:
             raise ValueError("factor must be > 0, window >= 1 and warmup_steps >= 0")
+        if action not in ("warn", "abort"):
+            raise ValueError(f'action must be "warn" or "abort"; got {action!r}')
+        if (abort_after_s is not None and abort_after_s < 0) or exit_after_s <= 0:
+            raise ValueError("abort_after_s must be >= 0 and exit_after_s > 0")
+        self.action = action
+        self.abort_after_s = abort_after_s
+        self.exit_after_s = exit_after_s
         self.factor = factor
         self.floor_s = floor_s
         self.ceiling_s = ceiling_s
@@ -106,6 +117,7 @@ class HangWatchdog:
         self._stalled_at: float | None = None  # when the current stall began (its _since)
         self._detected = False  # its StallDetected went out
         self._resumed: tuple[int | None, float] | None = None  # it ended before that
+        self._abort_at: float | None = None  # when this stall's abort was requested
         self._bus: BusHandle | None = None
         self._wake = threading.Event()
         self._closing = False
@@ -190,6 +202,7 @@ class HangWatchdog:
         now = time.monotonic()
         with self._lock:
             stalled_at, self._stalled_at = self._stalled_at, None
+            self._abort_at = None
             self._since = now
             if stalled_at is not None:
                 lasted = round(now - stalled_at, 3)
@@ -214,7 +227,11 @@ class HangWatchdog:
             bound = self.bound()
             with self._lock:
                 since = self._since
-                if since is None or self._paused or self._stalled_at is not None:
+                if since is None or self._paused:
+                    continue
+                if self._stalled_at is not None:
+                    if self.action == "abort" and self._detected:
+                        self._escalate(time.monotonic() - since, bound)
                     continue
                 waited = time.monotonic() - since
                 if waited < bound:
@@ -225,6 +242,41 @@ class HangWatchdog:
                 resumed, self._resumed = self._resumed, None
                 if resumed is not None:  # the step ended while the report was being made
                     self._ended_stall(*resumed)
+
+    def _escalate(self, waited: float, bound: float) -> None:
+        """action="abort" (lock held): ask the loop to abort; if it never does, end the process."""
+        bus = self._bus
+        after = bound if self.abort_after_s is None else self.abort_after_s
+        if bus is None or waited < bound + after:
+            return
+        now = time.monotonic()
+        if self._abort_at is None:
+            self._abort_at = now
+            step = self._last[0] if self._last is not None else None
+            reason = f"stalled: no step ended for {waited:.0f} s (bound {bound:.0f} s)"
+            bus.control.request_abort(reason, source="watchdog", step=step)
+        elif now - self._abort_at >= self.exit_after_s and not self._closing:
+            self._closing = True  # once: the process ends below
+            exiting = threading.Thread(target=self._end_process, name="eventbus-watchdog-exit")
+            exiting.daemon = True  # a process ending by SIGTERM does not wait for it
+            exiting.start()
+
+    def _end_process(self) -> None:
+        """The loop never read `should_stop`: SIGTERM ourselves, so the bus's handler drains
+        every lossless subscriber and exits 143; if even that cannot run, exit 70."""
+        get_logger().error(
+            "the training loop did not stop within exit_after_s of the abort request: ending "
+            "the process (SIGTERM: the bus drains, then exits)",
+            exit_after_s=self.exit_after_s,
+        )
+        handler = signal.getsignal(signal.SIGTERM)
+        if handler not in (signal.SIG_DFL, signal.SIG_IGN, None):  # someone drains on SIGTERM
+            os.kill(os.getpid(), signal.SIGTERM)
+            # The handler runs in the main thread between two bytecodes; one stuck inside a
+            # call that signals do not interrupt never gets there.
+            threading.Event().wait(self.exit_after_s)
+        get_logger().error("SIGTERM did not end the process: exiting now (status 70)")
+        os._exit(70)
 
     def _report(self, waited: float, bound: float, stacks: str) -> None:
         self.stalls += 1

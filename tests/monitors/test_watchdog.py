@@ -3,7 +3,11 @@ step reports the stall's length, and a pause published as such is not a stall.""
 
 from __future__ import annotations
 
+import json
+import os
 import pickle
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,6 +20,7 @@ from eventbus import Event, EventBus
 from eventbus.events import RunEnded, StallDetected, StallEnded, StepEnded
 from eventbus.monitors import HangWatchdog
 
+ROOT = Path(__file__).resolve().parents[2]
 FLOOR = 0.3  # seconds without a step that make a stall here
 
 
@@ -142,3 +147,73 @@ def test_bad_bounds_are_refused_at_construction() -> None:
 def test_it_refuses_the_sidecar_and_says_why() -> None:
     with pytest.raises(TypeError, match="training process"):
         pickle.dumps(HangWatchdog())
+
+
+# -- action="abort": a loop that never reads should_stop (in a child process) ----------------
+
+_LOOP = """
+import sys, threading
+from eventbus import EventBus
+from eventbus.events import Loss
+from eventbus.monitors import HangWatchdog
+from eventbus.sinks import JsonlWriter
+
+out = sys.argv[1]
+bus = EventBus(drain_interval=0.005)
+bus.subscribe(JsonlWriter(out))
+bus.subscribe(HangWatchdog(floor_s=0.2, ceiling_s=5, dir=out, check_s=0.02, action="abort",
+                           abort_after_s=0.2, exit_after_s=0.5))
+with bus:
+    for i in range(20):
+        with bus.step(i):
+            bus.publish(Loss(step=i, value=float(i)))
+    if sys.argv[2] == "stuck":
+        threading.Event().wait()  # never reads should_stop
+    else:
+        while not bus.should_stop:  # slow, but it looks
+            threading.Event().wait(0.01)
+print("loop left", flush=True)
+"""
+
+
+def _run_loop(
+    tmp_path: Path, how: str
+) -> tuple[subprocess.CompletedProcess[str], list[dict[str, Any]]]:
+    script = tmp_path / "loop.py"
+    script.write_text(_LOOP)
+    out = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, str(script), str(out), how],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},  # this checkout, whatever is installed
+    )
+    lines = [json.loads(x) for f in sorted(out.glob("*.jsonl")) for x in f.read_text().splitlines()]
+    return done, lines
+
+
+def test_abort_ends_a_loop_that_never_looks_and_keeps_every_lossless_event(
+    tmp_path: Path,
+) -> None:
+    done, lines = _run_loop(tmp_path, "stuck")
+    assert done.returncode == 143, done.stderr[-2000:]  # SIGTERM's drain, then 128 + 15
+    assert "loop left" not in done.stdout
+    types = [x.get("type") for x in lines]
+    assert types.count("Loss") == 20
+    assert "StallDetected" in types
+    stop = next(x for x in lines if x.get("type") == "StopRequested")
+    assert stop["abort"] is True and stop["source"] == "watchdog"
+    (stacks,) = (tmp_path / "run").glob("stall-rank0-*.txt")
+    assert "threading.Event().wait()" in stacks.read_text()
+
+
+def test_a_loop_that_reads_should_stop_ends_itself_after_the_abort(tmp_path: Path) -> None:
+    done, lines = _run_loop(tmp_path, "looks")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "loop left" in done.stdout
+    ended = [x for x in lines if x.get("type") == "RunEnded"]
+    assert not ended or ended[-1]["status"] == "aborted"
+    assert any(x.get("type") == "StopRequested" for x in lines)
