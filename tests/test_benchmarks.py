@@ -303,6 +303,15 @@ def test_real_loop_compiled_rows_run_on_cpu() -> None:
     assert out["real_loop.compiled_none_first_step_s"] > 0
 
 
+def test_watchdog_cost_tiny_run() -> None:
+    from benchmarks import watchdog_cost
+
+    out = watchdog_cost.run(blocks=1, steps=10)
+    assert out["watchdog_cost.steps_per_variant"] == 10
+    _positive_numbers(out, ["watchdog_cost.bus_p50_ms", "watchdog_cost.watchdog_p50_ms"])
+    assert out["watchdog_cost.stalls"] == 0
+
+
 def test_ctl_cost_tiny_run() -> None:
     from benchmarks import ctl_cost
 
