@@ -177,9 +177,10 @@ class HangWatchdog:
 
     def bound(self) -> float:
         """Seconds without a step that make a stall, from the recent step times."""
-        if self._ended < self.warmup_steps or not self._gaps:
+        gaps = list(self._gaps)  # a copy (one C call under the GIL): the bus loop appends
+        if self._ended < self.warmup_steps or not gaps:
             return self.ceiling_s
-        typical = statistics.median(self._gaps)
+        typical = statistics.median(gaps)
         return min(self.ceiling_s, max(self.floor_s, self.factor * typical))
 
     # -- inside ------------------------------------------------------------------------------
@@ -224,24 +225,30 @@ class HangWatchdog:
             self._wake.wait(self.check_s)
             if self._closing:
                 return
-            bound = self.bound()
-            with self._lock:
-                since = self._since
-                if since is None or self._paused:
-                    continue
-                if self._stalled_at is not None:
-                    if self.action == "abort" and self._detected:
-                        self._escalate(time.monotonic() - since, bound)
-                    continue
-                waited = time.monotonic() - since
-                if waited < bound:
-                    continue
-                self._stalled_at = since
-            self._report(waited, bound, thread_stacks(skip=me))
-            with self._lock:
-                resumed, self._resumed = self._resumed, None
-                if resumed is not None:  # the step ended while the report was being made
-                    self._ended_stall(*resumed)
+            try:
+                self._check(me)
+            except Exception as e:  # never die silently: the next check tries again
+                get_logger().warning("the watchdog's check failed", error=repr(e))
+
+    def _check(self, me: int) -> None:
+        bound = self.bound()
+        with self._lock:
+            since = self._since
+            if since is None or self._paused:
+                return
+            if self._stalled_at is not None:
+                if self.action == "abort" and self._detected:
+                    self._escalate(time.monotonic() - since, bound)
+                return
+            waited = time.monotonic() - since
+            if waited < bound:
+                return
+            self._stalled_at = since
+        self._report(waited, bound, thread_stacks(skip=me))
+        with self._lock:
+            resumed, self._resumed = self._resumed, None
+            if resumed is not None:  # the step ended while the report was being made
+                self._ended_stall(*resumed)
 
     def _escalate(self, waited: float, bound: float) -> None:
         """action="abort" (lock held): ask the loop to abort; if it never does, end the process."""
