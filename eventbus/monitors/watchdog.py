@@ -7,12 +7,14 @@
                                                            StallDetected; the next StepEnded:
                                                            StallEnded (how long it lasted)
 
-The bound is `factor` x the median gap between recent steps (their publish stamps), clamped to
-[`floor_s`, `ceiling_s`]; until `warmup_steps` steps have ended (compilation, a first eval)
-it is `ceiling_s`. A pause published as such is not a stall: `with watchdog.pause("save"):`
-around a checkpoint save or an eval loop (two attribute writes; no publish), and a
-`CheckpointSaved` or `EvalEnded` counts as progress. The training thread pays nothing: the
-watchdog reads what the loop already publishes, on the bus loop and on a thread of its own.
+The bound is `factor` x the median gap between recent `StepEnded` (their publish stamps),
+clamped to [`floor_s`, `ceiling_s`]; until `warmup_steps` steps have ended (compilation, a
+first eval) it is `ceiling_s`. The clock starts at `RunStarted` or the first `StepStarted`.
+Events not yet routed (the bus behind, not the loop) defer a report. A pause published as
+such is not a stall: `with watchdog.pause("save"):` around a checkpoint save or an eval loop
+(two attribute writes; no publish), and a `CheckpointSaved` or `EvalEnded` counts as progress.
+The training thread pays nothing: the watchdog reads what the loop already publishes, on the
+bus loop and on a thread of its own.
 """
 
 from __future__ import annotations
@@ -40,10 +42,13 @@ from eventbus.events import (
     StallDetected,
     StallEnded,
     StepEnded,
+    StepStarted,
 )
 from eventbus.log import get_logger
 
 __all__ = ["HangWatchdog", "thread_stacks"]
+
+WRITE_S = 5.0  # the longest the stacks' file may take before the event goes out without it
 
 
 def thread_stacks(skip: int | None = None) -> str:
@@ -66,6 +71,7 @@ class HangWatchdog:
     (`stall-rank<r>-<n>.txt`, flushed to disk before the event goes out); None: no file."""
 
     events: ClassVar[tuple[type[Event], ...]] = (
+        StepStarted,
         StepEnded,
         CheckpointSaved,
         EvalEnded,
@@ -107,17 +113,22 @@ class HangWatchdog:
         self.warmup_steps = warmup_steps
         self.dir = Path(dir) if dir is not None else None
         self.check_s = check_s if check_s is not None else min(1.0, floor_s / 4)
+        if self.check_s <= 0:
+            raise ValueError(f"check_s must be > 0; got {check_s}")
         self.stalls = 0  # StallDetected published
         self._gaps: deque[float] = deque(maxlen=window)  # seconds a step, recent steps
         self._ended = 0  # StepEnded seen since the run (re)started
-        self._last: tuple[int, int] | None = None  # (step, ts) of the last StepEnded
-        self._lock = threading.Lock()  # _since, _paused, _stalled_at: bus loop and two threads
+        self._last: tuple[int | None, int] | None = None  # (step, ts) of the last StepEnded
+        # _since, _paused and the stall's state: bus loop, watchdog and training threads. Never
+        # held while publishing (a full inbox may make publish wait for the bus loop).
+        self._lock = threading.Lock()
         self._since: float | None = None  # monotonic time of the last progress; None: idle
         self._paused = 0
         self._stalled_at: float | None = None  # when the current stall began (its _since)
         self._detected = False  # its StallDetected went out
         self._resumed: tuple[int | None, float] | None = None  # it ended before that
         self._abort_at: float | None = None  # when this stall's abort was requested
+        self._over = False  # RunEnded seen: no stall until a run or a step starts again
         self._bus: BusHandle | None = None
         self._wake = threading.Event()
         self._closing = False
@@ -133,8 +144,11 @@ class HangWatchdog:
     # -- the subscriber's hooks --------------------------------------------------------------
 
     def on_start(self, bus: BusHandle) -> None:
-        """Start the watchdog's thread."""
+        """Start the watchdog's thread (again, for a watchdog subscribed anew)."""
         self._bus = bus
+        self._closing = False
+        self._wake.clear()
+        self._new_run(None)
         self._thread = threading.Thread(target=self._watch, name="eventbus-watchdog", daemon=True)
         self._thread.start()
 
@@ -143,15 +157,19 @@ class HangWatchdog:
         for ev in batch:
             if isinstance(ev, StepEnded):
                 self._step_ended(ev)
-            elif isinstance(ev, CheckpointSaved | EvalEnded):
-                self._progress()
-            elif isinstance(ev, RunStarted):
-                self._gaps.clear()
-                self._ended, self._last = 0, None
-                self._progress()
-            elif isinstance(ev, RunEnded):
+            elif isinstance(ev, StepStarted):
                 with self._lock:
-                    self._since = None  # the run is over: nothing to wait for
+                    if self._since is None and not self._over:  # the first step: watch it
+                        self._since = time.monotonic()
+            elif isinstance(ev, CheckpointSaved | EvalEnded):
+                with self._lock:
+                    if self._since is not None:
+                        self._since = time.monotonic()
+            elif isinstance(ev, RunStarted):
+                self._new_run(time.monotonic())
+            elif isinstance(ev, RunEnded):
+                self._new_run(None)
+                self._over = True  # nothing is a stall until a run starts again
 
     def on_close(self) -> None:
         """Stop the thread (it wakes at once)."""
@@ -183,41 +201,52 @@ class HangWatchdog:
         typical = statistics.median(gaps)
         return min(self.ceiling_s, max(self.floor_s, self.factor * typical))
 
-    # -- inside ------------------------------------------------------------------------------
+    # -- inside: the bus loop ----------------------------------------------------------------
 
-    def _progress(self) -> None:
+    def _new_run(self, since: float | None) -> None:
+        """Forget the steps and any stall of the run before (a run starts, ends or restarts)."""
+        self._gaps.clear()
+        self._ended, self._last, self._over = 0, None, False
         with self._lock:
-            self._since = time.monotonic()
+            self._since = since
+            self._stalled_at = self._abort_at = self._resumed = None
+            self._detected = False
 
     def _step_ended(self, ev: StepEnded) -> None:
         step, ts = ev.step, ev.ts
-        if step is not None and ts is not None:
-            last = self._last
-            if last is not None and step > last[0] and ts > last[1]:
-                self._gaps.append((ts - last[1]) / 1e9 / (step - last[0]))
-            elif last is not None and step <= last[0]:  # a resume or a new run: start afresh
-                self._gaps.clear()
-                self._ended = 0
+        last = self._last
+        if step is not None and last is not None and last[0] is not None and step < last[0]:
+            self._gaps.clear()  # the counter went back (a resume): learn the pace again
+            self._ended = 0
+        elif ts is not None and last is not None and ts > last[1]:
+            self._gaps.append((ts - last[1]) / 1e9)  # between two StepEnded, as a stall is
+        if ts is not None:
             self._last = (step, ts)
         self._ended += 1
+        self._over = False
         now = time.monotonic()
+        ended: tuple[int | None, float] | None = None
         with self._lock:
             stalled_at, self._stalled_at = self._stalled_at, None
             self._abort_at = None
             self._since = now
             if stalled_at is not None:
                 lasted = round(now - stalled_at, 3)
-                if self._detected:  # else the watchdog thread publishes it after its report
-                    self._ended_stall(step, lasted)
-                else:
+                if self._detected:
+                    self._detected = False
+                    ended = (step, lasted)
+                else:  # its StallDetected is not out yet: the watchdog thread follows it up
                     self._resumed = (step, lasted)
+        if ended is not None:
+            self._stall_ended(*ended)
 
-    def _ended_stall(self, step: int | None, lasted: float) -> None:
-        """StallEnded (lock held: after its StallDetected, never before)."""
-        self._detected = False
+    def _stall_ended(self, step: int | None, lasted: float) -> None:
+        """StallEnded, after its StallDetected (a storm in the inbox may drop it: counted)."""
         if self._bus is not None:
             self._bus.publish(StallEnded(step=step, stalled_s=lasted))
         get_logger().warning("training resumed after a stall", step=step, stalled_s=lasted)
+
+    # -- inside: the watchdog's thread -------------------------------------------------------
 
     def _watch(self) -> None:
         me = threading.get_ident()
@@ -233,36 +262,54 @@ class HangWatchdog:
     def _check(self, me: int) -> None:
         bound = self.bound()
         with self._lock:
-            since = self._since
+            since, stalled = self._since, self._stalled_at is not None
             if since is None or self._paused:
                 return
-            if self._stalled_at is not None:
-                if self.action == "abort" and self._detected:
-                    self._escalate(time.monotonic() - since, bound)
-                return
-            waited = time.monotonic() - since
-            if waited < bound:
+        waited = time.monotonic() - since
+        if stalled:
+            if self.action == "abort" and self._detected:
+                self._escalate(waited, bound)
+            return
+        if waited < bound or self._bus_behind():
+            return
+        with self._lock:
+            if self._since != since or self._stalled_at is not None:  # a step came meanwhile
                 return
             self._stalled_at = since
         self._report(waited, bound, thread_stacks(skip=me))
         with self._lock:
             resumed, self._resumed = self._resumed, None
-            if resumed is not None:  # the step ended while the report was being made
-                self._ended_stall(*resumed)
+            self._detected = resumed is None and self._stalled_at is not None
+        if resumed is not None:  # the step ended while the report was being made
+            self._stall_ended(*resumed)
+
+    def _bus_behind(self) -> bool:
+        """Events wait to be routed or delivered: the bus is late (a slow lossless subscriber
+        holding the router up, a long drain at close), not necessarily the loop stuck."""
+        stats = getattr(self._bus, "stats", None)  # EventBus.stats(); another handle: no check
+        if stats is None:
+            return False
+        st = stats()
+        return st.inbox_size > 0 or any(s.queued > 0 for s in st.subscribers.values())
 
     def _escalate(self, waited: float, bound: float) -> None:
-        """action="abort" (lock held): ask the loop to abort; if it never does, end the process."""
+        """action="abort": ask the loop to abort; if it never does, end the process."""
         bus = self._bus
         after = bound if self.abort_after_s is None else self.abort_after_s
-        if bus is None or waited < bound + after:
+        if bus is None or waited < bound + after or self._closing:
             return
         now = time.monotonic()
-        if self._abort_at is None:
-            self._abort_at = now
+        with self._lock:
+            first, due = self._abort_at is None, False
+            if first:
+                self._abort_at = now
+            elif self._abort_at is not None and now - self._abort_at >= self.exit_after_s:
+                due = True
+        if first:
             step = self._last[0] if self._last is not None else None
             reason = f"stalled: no step ended for {waited:.0f} s (bound {bound:.0f} s)"
             bus.control.request_abort(reason, source="watchdog", step=step)
-        elif now - self._abort_at >= self.exit_after_s and not self._closing:
+        elif due:
             self._closing = True  # once: the process ends below
             exiting = threading.Thread(target=self._end_process, name="eventbus-watchdog-exit")
             exiting.daemon = True  # a process ending by SIGTERM does not wait for it
@@ -279,9 +326,11 @@ class HangWatchdog:
         handler = signal.getsignal(signal.SIGTERM)
         if handler not in (signal.SIG_DFL, signal.SIG_IGN, None):  # someone drains on SIGTERM
             os.kill(os.getpid(), signal.SIGTERM)
-            # The handler runs in the main thread between two bytecodes; one stuck inside a
-            # call that signals do not interrupt never gets there.
-            threading.Event().wait(self.exit_after_s)
+            # The handler runs in the main thread between two bytecodes (one stuck inside a
+            # call that signals do not interrupt never gets there); its drain may take the
+            # bus's close_timeout, and 5 s more.
+            drain = float(getattr(self._bus, "close_timeout", 30.0)) + 6.0
+            threading.Event().wait(max(self.exit_after_s, drain))
         get_logger().error("SIGTERM did not end the process: exiting now (status 70)")
         os._exit(70)
 
@@ -290,40 +339,53 @@ class HangWatchdog:
         step = self._last[0] if self._last is not None else None
         bus = self._bus
         rank = bus.rank if bus is not None else 0
-        path = None
-        if self.dir is not None:
-            try:
-                path = self._write(rank, waited, bound, step, stacks)
-            except OSError as e:  # a full or unwritable disk: the event still goes out
-                get_logger().warning("the watchdog could not write the stacks", error=repr(e))
         get_logger().warning(
             "no step ended within the bound: the training process may be stuck",
             step=step,
             waited_s=round(waited, 1),
             bound_s=round(bound, 1),
-            path=path,
             stacks=stacks,
         )
-        with self._lock:
-            self._detected = True
-            if bus is not None:
-                bus.publish(
-                    StallDetected(
-                        step=step,
-                        waited_s=round(waited, 3),
-                        bound_s=round(bound, 3),
-                        stacks=stacks,
-                        path=path,
-                    )
+        path = self._write(rank, waited, bound, step, stacks) if self.dir is not None else None
+        if bus is not None:
+            bus.publish(
+                StallDetected(
+                    step=step,
+                    waited_s=round(waited, 3),
+                    bound_s=round(bound, 3),
+                    stacks=stacks,
+                    path=path,
                 )
+            )
 
-    def _write(self, rank: int, waited: float, bound: float, step: int | None, text: str) -> str:
+    def _write(
+        self, rank: int, waited: float, bound: float, step: int | None, text: str
+    ) -> str | None:
+        """The stacks on disk (fsynced), on a thread of its own: a hung filesystem (often the
+        cause of the stall) must not hold up the log and the event for more than WRITE_S."""
         assert self.dir is not None
-        self.dir.mkdir(parents=True, exist_ok=True)
-        path = self.dir / f"stall-rank{rank}-{self.stalls}.txt"
+        path = self.dir / f"stall-rank{rank}-pid{os.getpid()}-{self.stalls}.txt"
         head = f"no step ended for {waited:.1f} s (bound {bound:.1f} s); last step {step}\n\n"
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(head + text)
-            f.flush()
-            os.fsync(f.fileno())  # on disk before a kill that may follow
+        done: list[BaseException | None] = []
+
+        def write() -> None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with open(path, "w", encoding="utf-8") as f:
+                    f.write(head + text)
+                    f.flush()
+                    os.fsync(f.fileno())  # on disk before a kill that may follow
+                done.append(None)
+            except OSError as e:  # a full or unwritable disk: the event still goes out
+                done.append(e)
+
+        writer = threading.Thread(target=write, name="eventbus-watchdog-write", daemon=True)
+        writer.start()
+        writer.join(WRITE_S)
+        if not done or done[0] is not None:
+            why = repr(done[0]) if done else f"not done within {WRITE_S} s"
+            get_logger().warning(
+                "the watchdog could not write the stacks", path=str(path), error=why
+            )
+            return None
         return str(path)
