@@ -19,11 +19,12 @@ The partials ("parts"), in order:
 For one tensor they are 0-d (counts (3,), hist (bins,)); for a packed buffer of k tensors they
 have a leading dimension k (counts (k, 3), hist (k, bins)).
 
-On a GPU, eagerly, a tensor of more than `SMALL` elements is reduced by `_whole` compiled once
-(`fused`): inductor fuses it into one or two kernels that read the tensor once and allocate
-nothing of its size; a histogram is then binned chunk by chunk. A chunked reduction costs a
-launch per op per chunk, ~10 us each on a GPU: thousands for GPT-2's activations. Where
-compiling fails (no Triton, no compiler), it logs why once and chunks as below.
+On a GPU, eagerly, a tensor of more than `SMALL` elements is reduced by `_stats` (`_whole`
+less the histogram) compiled once (`fused`): inductor fuses it into one or two kernels that
+read the tensor once and allocate nothing of its size; a histogram is binned chunk by chunk.
+A chunked reduction costs a launch per op per chunk, ~10 us each on a GPU: thousands for
+GPT-2's activations. Where compiling fails (no Triton, no compiler), it logs why once and
+chunks as below.
 
 Temporaries: eager, a tensor of more than `CHUNK` elements is reduced in chunks (views), so
 no temporary exceeds a chunk: the NaN/Inf comparison (3 bytes an element), a float32 copy of
@@ -192,13 +193,8 @@ def _fused_parts(x: torch.Tensor, bins: int) -> Parts | None:
         return None
     if not bins:
         return parts[:5]
-    flo, fhi = parts[5], parts[6]
-    span = (fhi - flo).clamp_min_(_TINY)
-    # A chunk at a time: histc has no fused kernel, and a whole-tensor float32 copy would not
-    # be bounded. float32 counts are exact per chunk (under 2**24); summed in float64.
-    hists = [_hist(_f32(p), p, flo, span, bins) for p in _pieces(x)]
-    hist = hists[0] if len(hists) == 1 else torch.stack(hists).sum(0, dtype=torch.float64)
-    return (*parts, hist)
+    # histc has no fused kernel, and a whole-tensor float32 copy would not be bounded.
+    return (*parts, _binned(_pieces(x), parts[5], parts[6], bins))
 
 
 def _piece(p: torch.Tensor, bins: int, moments: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -268,11 +264,18 @@ def _chunked(x: torch.Tensor, bins: int) -> Parts:
     parts: Parts = (var, mean, *torch.aminmax(x), torch.stack(counts).sum(0))
     if bins:
         flo, fhi = torch.stack(rng[0]).amin(), torch.stack(rng[1]).amax()
-        span = (fhi - flo).clamp_min_(_TINY)
-        hists = [_hist(_f32(p), p, flo, span, bins) for p in pieces]
-        # float32 counts are exact up to 2**24: a chunk's are; their sum is taken in float64.
-        parts += (flo, fhi, torch.stack(hists).sum(0, dtype=torch.float64))
+        parts += (flo, fhi, _binned(pieces, flo, fhi, bins))
     return parts
+
+
+def _binned(
+    pieces: list[torch.Tensor], flo: torch.Tensor, fhi: torch.Tensor, bins: int
+) -> torch.Tensor:
+    """The histogram over [flo, fhi] of a tensor's pieces, binned a piece at a time: float32
+    counts are exact up to 2**24, a chunk's are; their sum is taken in float64."""
+    span = (fhi - flo).clamp_min_(_TINY)
+    hists = [_hist(_f32(p), p, flo, span, bins) for p in pieces]
+    return hists[0] if len(hists) == 1 else torch.stack(hists).sum(0, dtype=torch.float64)
 
 
 def _pieces(x: torch.Tensor) -> list[torch.Tensor]:

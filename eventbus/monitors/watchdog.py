@@ -68,7 +68,7 @@ def thread_stacks(skip: int | None = None) -> str:
 class HangWatchdog:
     """Publishes `StallDetected` (with every thread's stack) when no step ended within the
     bound, and `StallEnded` when one does again. `dir`: where each stall's stacks are written
-    (`stall-rank<r>-<n>.txt`, flushed to disk before the event goes out); None: no file."""
+    (`stall-rank<r>-pid<pid>-<n>.txt`, fsynced before the event goes out); None: no file."""
 
     events: ClassVar[tuple[type[Event], ...]] = (
         StepStarted,
