@@ -127,6 +127,7 @@ class Inbox:
         self.rejected = 0  # events published after close (or in a forked child)
         self._half = max(1, maxsize // 2)  # the wake-up mark, and the bus side's share
         self._close_budget: int | None = None  # bus-side events still accepted while closing
+        self.reporting = False  # set by the loop around its own report: taken up to the bound
         self._waits = waits  # whether a lossless subscriber is attached
         self._drop = drop  # count a dropped event for its subscribers
         self._lock = threading.Lock()  # the byte counter and drop counters
@@ -268,7 +269,7 @@ class Inbox:
                     self._storm(item)
                     return False
                 self._close_budget -= 1
-            if len(self.items) < self._half and not full:
+            if not full and (len(self.items) < self._half or self.reporting):
                 return True
             self._storm(item)  # a subscriber publishing into a half-full inbox
             return False
