@@ -9,6 +9,7 @@ from eventbus.bus import EventBus, Subscription
 from eventbus.codec import EventDecodeError, EventEncodeError
 from eventbus.config import ConfigError, bus_from_config, subscribe_from_config
 from eventbus.control import AbortRequested, Control
+from eventbus.core.strict import SubscriberFailed
 from eventbus.events import Event
 from eventbus.load import load
 from eventbus.replay import replay
@@ -26,6 +27,7 @@ __all__ = [
     "EventDecodeError",
     "EventEncodeError",
     "Subscriber",
+    "SubscriberFailed",
     "SubscriberStats",
     "Subscription",
     "bus_from_config",

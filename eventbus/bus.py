@@ -31,7 +31,7 @@ from eventbus.core.inbox import BIG, Attach, Detach, Flush, Inbox, InboxMode
 from eventbus.core.loop import BusLoop
 from eventbus.core.signals import SignalDrain
 from eventbus.core.sizing import QUICK, not_an_event, published_twice, quick_check
-from eventbus.core.subscriber import State, describe, positive, subscribe_options, unique_name
+from eventbus.core.subscriber import State, check_bus_args, describe, subscribe_options, unique_name
 from eventbus.core.subscription import Subscription
 from eventbus.dist import rank_info
 from eventbus.events import Event
@@ -60,6 +60,7 @@ class EventBus:
     long while its full queue holds the bus up is disabled (None: wait forever).
     `handle_signals`: drain on SIGTERM, then run the handler that was there. `cost_every`:
     steps between `BusCost` events (the totals: `stats().cost`, `RunEnded.cost`; None: off).
+    `strict`: raise the first subscriber failure from the next `publish` or from `close()`.
     """
 
     def __init__(
@@ -78,17 +79,9 @@ class EventBus:
         name: str = "eventbus",
         stop_check_every: int = 1,
         cost_every: int | None = 1000,
+        strict: bool = False,
     ) -> None:
-        positive("drain_interval", drain_interval, float)
-        positive("close_timeout", close_timeout, float)
-        if hang_timeout is not None:
-            positive("hang_timeout", hang_timeout, float)
-        positive("inbox_max_bytes", inbox_max_bytes, int)
-        positive("queue_max_bytes", queue_max_bytes, int)
-        positive("inbox_maxsize", inbox_maxsize, int, least=2)
-        positive("stop_check_every", stop_check_every, int, least=1)
-        if cost_every is not None:
-            positive("cost_every", cost_every, int, least=1)
+        check_bus_args(locals())  # each numeric argument's type and range, named if refused
         info = rank_info()
         self.rank = info.rank if rank is None else rank
         self.local_rank = info.local_rank
@@ -119,7 +112,10 @@ class EventBus:
         self._deliveries: list[Delivery] = []  # every subscription made, for stats and names
         self._sidecar: Sidecar | None = None  # the child process of placement="process"
         self._names: set[str] = set()
-        self._ending = RunEnding(self.control, self._clock)
+        self._ending = RunEnding(self.control, self._loop.cost, self.stats, strict=strict)
+        self._loop.router.run_ended = self._ending.fill  # RunEnded's cost and losses
+        if self._ending.failures is not None:  # an instance attribute: a lax bus pays nothing
+            self.publish = self._ending.failures.checked(self.publish, self._inbox.on_bus_side)  # type: ignore[method-assign,assignment]
         self._loop.ending = self._ending.event
         self._signals = SignalDrain(self.close, lambda: self.close_timeout, self._ending)
         self._exit_hook = False
@@ -224,6 +220,7 @@ class EventBus:
                 key=key,
                 max_consecutive_failures=self.max_consecutive_failures,
             )
+            d.failures = self._ending.failures
             self._deliveries.append(d)
             self._attach(d)
         return Subscription(d, self._detach)
@@ -324,7 +321,7 @@ class EventBus:
             self._finish()
         if interrupt is not None:
             raise interrupt
-        return self.stats()
+        return self._ending.closed(self.stats())  # strict: raises the first failure
 
     def _finish(self) -> None:
         self._state = _CLOSED

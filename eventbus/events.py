@@ -70,11 +70,13 @@ class RunEnded(Event):
 
     When the loop published a `RunStarted` and no `RunEnded`, `close()` publishes one.
     `cost`: what the bus cost this run (`BusCost`'s totals), filled in by the bus.
+    `losses`: what the bus lost or saw fail up to this event (None: nothing), filled in too.
     """
 
     status: str = "completed"
     reason: str | None = None
     cost: dict[str, Any] | None = None
+    losses: dict[str, Any] | None = None
 
 
 @dataclass(slots=True, kw_only=True)

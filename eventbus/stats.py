@@ -8,7 +8,7 @@ from typing import Any
 
 from eventbus.log import get_logger
 
-__all__ = ["BusStats", "CostStats", "SidecarStats", "SubscriberStats", "log_close"]
+__all__ = ["BusStats", "CostStats", "SidecarStats", "SubscriberStats", "log_close", "losses"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,32 +108,44 @@ class BusStats:
         return dataclasses.asdict(self)
 
 
+def losses(st: BusStats) -> dict[str, Any] | None:
+    """What the bus lost, saw fail or gave up on, in plain values (the close warning's and
+    `RunEnded.losses`); None when nothing. A `latest` subscriber's drops are superseded
+    events, by design: not losses."""
+    side = st.sidecar
+    subs = {
+        n: {"dropped": s.dropped, "failed": s.failed, "state": s.state, "error": s.error}
+        for n, s in st.subscribers.items()
+        if s.failed or s.state == "hung" or (s.dropped and s.policy != "latest")
+    }
+    out: dict[str, Any] = {
+        "failed": st.failed,
+        "dropped": sum(s["dropped"] for s in subs.values()),
+        "rejected": st.rejected,
+        "feedback_dropped": st.feedback_dropped,
+        "hung": list(st.hung),
+        "error": st.error,
+        "sidecar_lost": side.lost if side is not None else 0,
+        "sidecar_error": side.error if side is not None else None,
+        "sidecar_storm_dropped": side.storm_dropped if side is not None else 0,
+        "subscribers": subs,
+    }
+    return out if any(out.values()) else None
+
+
 def log_close(st: BusStats) -> None:
     """The close report: a warning naming every loss, failure and hang; info if only
     `latest` subscribers dropped superseded events (by design)."""
+    lost = losses(st)
     counts = {
         n: {"dropped": s.dropped, "failed": s.failed, "state": s.state}
         for n, s in st.subscribers.items()
         if s.dropped or s.failed or s.state == "hung"
     }
-    alarming = (
-        st.hung
-        or (
-            st.sidecar is not None
-            and (st.sidecar.lost or st.sidecar.error or st.sidecar.storm_dropped)
-        )
-        or st.rejected
-        or st.feedback_dropped
-        or st.error
-        or any(
-            s.failed or s.state == "hung" or (s.dropped and s.policy != "latest")
-            for s in st.subscribers.values()
-        )
-    )
-    if alarming or counts:
-        log = get_logger().warning if alarming else get_logger().info
+    if lost is not None or counts:
+        log = get_logger().warning if lost is not None else get_logger().info
         log(
-            "eventbus closed with losses" if alarming else "eventbus closed",
+            "eventbus closed with losses" if lost is not None else "eventbus closed",
             dropped=st.dropped,
             failed=st.failed,
             rejected=st.rejected,

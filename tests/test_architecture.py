@@ -58,6 +58,7 @@ LAYERS: dict[str, str] = {
     "eventbus.core.fork": CORE,
     "eventbus.core.handle": CORE,
     "eventbus.core.inbox": CORE,
+    "eventbus.core.strict": CORE,
     "eventbus.core.loop": CORE,
     "eventbus.core.queue": CORE,
     "eventbus.core.router": CORE,

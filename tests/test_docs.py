@@ -59,4 +59,7 @@ def test_the_block_runs_as_written(where: str, code: str, tmp_path: Path) -> Non
         check=False,
     )
     assert proc.returncode == 0, f"{where} failed:\n{proc.stderr[-3000:]}"
-    assert "Traceback" not in proc.stderr, f"{where}:\n{proc.stderr[-3000:]}"
+    # The library's log lines (one line each, `event=...`) may carry a subscriber's traceback
+    # by design; anything else with one is an exception the block did not expect.
+    others = "\n".join(x for x in proc.stderr.splitlines() if not x.startswith("event="))
+    assert "Traceback" not in others, f"{where}:\n{proc.stderr[-3000:]}"

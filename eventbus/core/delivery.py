@@ -18,6 +18,7 @@ from typing import Any
 from eventbus.core.cost import cpu_timed
 from eventbus.core.markers import Markers
 from eventbus.core.queue import SubscriberQueue
+from eventbus.core.strict import FirstFailure
 from eventbus.core.subscriber import State, SubscriberGone, is_async, takes_argument
 from eventbus.core.worker import ThreadWorker
 from eventbus.events import Event
@@ -71,6 +72,8 @@ class Delivery:
         self.routed = 0  # events the router put in its queue (or handed over, in replay)
         self.delivered = 0
         self.failed = 0
+        self.failures: FirstFailure | None = None  # set by a strict bus
+        self.started = False  # on_start returned (or raised): a flush may complete
         self.inbox_dropped = 0  # bumped by publishers at a full inbox (lossy subscribers only)
         self.lost_at_close = 0  # still in the inbox, routed nowhere, when the bus gave up
         self.consecutive_failures = 0
@@ -134,7 +137,7 @@ class Delivery:
 
     def add_marker(self, callback: Callable[[], None]) -> None:
         """Call `callback` once everything routed to this subscriber so far was handled."""
-        idle = self.busy_since is None
+        idle = self.busy_since is None and self.started  # on_start done: its file is open
         now = self._markers.add(self.routed, callback, done=self._processed(), idle=idle)
         if not now and self.queue is not None:
             self.queue.poke()
@@ -267,6 +270,8 @@ class Delivery:
             if _own_cancellation(e):
                 raise
             self.last_error = f"{type(e).__name__}: {e}"
+            if self.failures is not None:
+                self.failures.note(self.name, e, hook=hook)
             self._revoke(e)
             get_logger().warning(
                 "subscriber hook failed",
@@ -303,6 +308,8 @@ class Delivery:
         self.failed += n
         self.consecutive_failures += 1
         self.last_error = f"{type(exc).__name__}: {exc}"
+        if self.failures is not None:  # a strict bus raises the first on the training thread
+            self.failures.note(self.name, exc, ev, n)
         ok, held = _log_limit.allow((self.name, type(exc)))
         if ok:
             get_logger().warning(

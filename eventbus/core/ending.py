@@ -5,13 +5,20 @@ the bus thread publishes one after everything else and before any subscriber clo
 and `eventbus summary` see a finished run. Its status says how it ended: "completed",
 "failed" (the exception, from `with bus:`), "interrupted" (Ctrl-C, SIGTERM), "stopped" or
 "aborted" (by whom, from `bus.control`), or "unknown" (the interpreter exited without close).
+
+Every `RunEnded` the bus routes gets the cost totals and what was lost or failed so far
+(`losses`); a strict bus raises its first subscriber failure from `close()`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from eventbus.control import AbortRequested, Control
-from eventbus.core.cost import PublishClock
+from eventbus.core.cost import CostMeter
+from eventbus.core.strict import FirstFailure
 from eventbus.events import RunEnded
+from eventbus.stats import BusStats, losses
 
 __all__ = ["RunEnding"]
 
@@ -19,9 +26,18 @@ __all__ = ["RunEnding"]
 class RunEnding:
     """What the bus saw of the run's end; `event()` builds the `RunEnded` at close."""
 
-    def __init__(self, control: Control, clock: PublishClock | None) -> None:
+    def __init__(
+        self,
+        control: Control,
+        cost: CostMeter | None,
+        stats: Callable[[], BusStats],
+        *,
+        strict: bool = False,
+    ) -> None:
         self.control = control
-        self.clock = clock  # the highest step published, if the cost report is on
+        self.cost = cost  # the totals, and the highest step published; None: not measured
+        self.stats = stats
+        self.failures = FirstFailure() if strict else None  # strict: the first, to raise
         self.status: str | None = None  # set by what ended it, first one wins
         self.reason: str | None = None
 
@@ -29,6 +45,8 @@ class RunEnding:
         """`with bus:` ended, with this exception if any."""
         if et is None:
             return
+        if self.failures is not None:
+            self.failures.settle()  # never mask the loop's own exception with a failure
         if issubclass(et, KeyboardInterrupt):
             self._set("interrupted", "KeyboardInterrupt")
         elif issubclass(et, AbortRequested):
@@ -53,8 +71,22 @@ class RunEnding:
         if status is None and c.stop_requested:  # the local flags: no collective from here
             status = "aborted" if c.abort_requested else "stopped"
             reason = " by ".join(x for x in (c.reason, c.source) if x) or None
-        step = self.clock.last if self.clock is not None else None
+        step = self.cost.clock.last if self.cost is not None else None
         return RunEnded(step=step, status=status or "completed", reason=reason)
+
+    def fill(self, ev: RunEnded) -> None:
+        """On the bus thread, as a `RunEnded` is routed: the cost totals and the losses so
+        far, unless the event carries its own."""
+        if self.cost is not None:
+            self.cost.fill(ev)
+        if ev.losses is None:
+            ev.losses = losses(self.stats())
+
+    def closed(self, st: BusStats) -> BusStats:
+        """The bus closed with these stats; a strict bus raises its first failure here."""
+        if self.failures is not None:
+            self.failures.at_close(st)
+        return st
 
     def _set(self, status: str, reason: str | None) -> None:
         if self.status is None:

@@ -70,7 +70,6 @@ class BusLoop:
             drop=self.router.count_drop,
         )
         if cost is not None:
-            self.router.run_ended = cost.fill
             cost.published = self.published
         self.thread: threading.Thread | None = None
         self.thread_id: int | None = None
@@ -272,6 +271,7 @@ class BusLoop:
         if not await d.call_hook("on_start", self.handle) and d.state is State.RUNNING:
             d.disable("on_start raised")
             self.router.refresh()
+        d.started = True  # a flush from now on completes as the queue empties
         await d.run()
 
     def _retire(self, d: Delivery) -> None:

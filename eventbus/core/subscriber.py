@@ -159,3 +159,24 @@ def positive(name: str, value: Any, kind: type, *, least: int | None = None) -> 
         what = "a positive" if least is None else f"{'an' if kind is int else 'a'}"
         bound = "" if least is None else f" >= {least}"
         raise ValueError(f"{name} must be {what} {kind.__name__}{bound}, got {value!r}")
+
+
+# EventBus's numeric arguments: (kind, least; None: positive), and which may be None.
+_BUS_ARGS: dict[str, tuple[type, int | None]] = {
+    "drain_interval": (float, None),
+    "close_timeout": (float, None),
+    "hang_timeout": (float, None),
+    "inbox_max_bytes": (int, None),
+    "queue_max_bytes": (int, None),
+    "inbox_maxsize": (int, 2),
+    "stop_check_every": (int, 1),
+    "cost_every": (int, 1),
+}
+_MAY_BE_NONE = ("hang_timeout", "cost_every")
+
+
+def check_bus_args(args: dict[str, Any]) -> None:
+    """Refuse a bad numeric `EventBus(...)` argument with a ValueError that names it."""
+    for name, (kind, least) in _BUS_ARGS.items():
+        if not (args[name] is None and name in _MAY_BE_NONE):
+            positive(name, args[name], kind, least=least)

@@ -107,6 +107,9 @@ class Reports:
                 r.own = own[r.name]
             s = stats.get(r.name)
             if s is not None:
+                failures = self.bus._ending.failures  # a strict bus: the first, to raise
+                if failures is not None and s.failed > (r.last.failed if r.last else 0):
+                    failures.note(r.name, s.error or f"{s.failed} events failed in the sidecar")
                 r.last = s
                 if r.state is not State.REMOVED or s.state in ("closed", "hung"):
                     r.state = State(s.state)  # the sidecar's word (a removal it has not seen yet)

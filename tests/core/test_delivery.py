@@ -152,3 +152,33 @@ def test_worker_runs_sync_code_off_the_loop_thread() -> None:
     asyncio.run(main())
     d.worker.stop()
     assert threads and threads[0] != threading.get_ident()
+
+
+class _SlowStart:
+    """Opens its 'file' in on_start, which waits for the test."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.opened = False
+        self.got: list[Event] = []
+
+    def on_start(self) -> None:
+        self.gate.wait(30)
+        self.opened = True
+
+    def on_events(self, batch: list[Event]) -> None:
+        self.got.extend(batch)
+
+
+def test_a_flush_waits_for_on_start() -> None:
+    """A flush right after subscribe, routed before the subscriber's task ran on_start, used to
+    complete at once (nothing routed, nothing busy): a sink had not even opened its file."""
+    for _ in range(3):  # the race is at the first drain: a few fresh buses
+        sub = _SlowStart()
+        bus = EventBus()
+        bus.subscribe(sub)  # its Attach and the Flush below: likely in the first drain
+        with bus:
+            assert not bus.flush(timeout=0.2)  # on_start holds: not flushed
+            sub.gate.set()
+            assert bus.flush()
+            assert sub.opened
