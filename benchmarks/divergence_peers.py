@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/divergence_peers.py         # summary table (markdown)
     .venv/bin/python benchmarks/divergence_peers.py --runs  # and the per-run table
+    .venv/bin/python benchmarks/divergence_peers.py --runs --before REV  # and the rule at REV
 
 Runs come from tests/fixtures/divergence/*.json (made by make_runs.py there). A healthy
 run scores a false positive if a rule fires at all; a diverging run that fires before its
@@ -9,7 +10,8 @@ onset scores "early"; the others are scored by the delay from onset and from the
 loss visibly departs, under three definitions (`DEPARTURES`; make_runs.py computes them):
 strict (first step beyond the pre-onset max or 1.5x median: often a single noise step) and
 sustained at 1.5x / 2x (first step from which 10 values stay above that multiple of the
-pre-onset median). A negative delay: fired after onset but before that departure.
+pre-onset median). A negative delay: fired after onset but before that departure. "late":
+runs detected more than `LATE` steps after the sustained 1.5x departure.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import argparse
 import json
 import math
 import statistics
+import subprocess
 import sys
+import types
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -29,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eventbus.monitors._divergence_rule import DivergenceRule
 
-FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "divergence"
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures" / "divergence"
 # Departure definitions scored side by side, and the fixture field each is stored in
 # (computed by tests/fixtures/divergence/make_runs.py: `departures()` there says how).
 DEPARTURES = {
@@ -38,6 +43,7 @@ DEPARTURES = {
     "sustained 2x": "departure_s2",
 }
 SETS = ("tune", "holdout", "fresh")
+LATE = 2  # the budget of issue #18: detected at most this many steps after departure
 
 
 class Rule(Protocol):
@@ -144,6 +150,20 @@ RULES: dict[str, Callable[[], Rule]] = {
 }
 
 
+def rule_at(rev: str) -> Callable[[], Rule]:
+    """`DivergenceRule` as git revision `rev` had it: the "before" of a before/after table."""
+    path = "eventbus/monitors/_divergence_rule.py"
+    cmd = ["git", "-C", str(ROOT), "show", f"{rev}:{path}"]
+    got = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    if got.returncode != 0:
+        raise SystemExit(f"--before {rev}: git cannot show {path} there: {got.stderr.strip()}")
+    module = types.ModuleType(f"_divergence_rule_at_{rev}")
+    sys.modules[module.__name__] = module  # dataclasses look their module up by name
+    exec(compile(got.stdout, f"{rev}:{path}", "exec"), module.__dict__)
+    rule: Callable[[], Rule] = module.DivergenceRule
+    return rule
+
+
 def load_runs(directory: Path = FIXTURES) -> list[dict[str, Any]]:
     return [json.loads(p.read_text(encoding="utf-8")) for p in sorted(directory.glob("*.json"))]
 
@@ -192,6 +212,7 @@ def summarize(scores: list[Score]) -> dict[str, Any]:
     for name, field in {"onset": "onset", **DEPARTURES}.items():
         delays = [d for s in div if not s.false_positive and (d := s.delay(field)) is not None]
         out[name] = (statistics.median(delays), max(delays)) if delays else None
+        out[f"late {name}"] = sum(d > LATE for d in delays)
     return out
 
 
@@ -211,31 +232,35 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--dir", type=Path, default=FIXTURES)
     parser.add_argument("--runs", action="store_true", help="also print the per-run table")
+    parser.add_argument("--before", metavar="REV", help="also score DivergenceRule at git REV")
     args = parser.parse_args(argv)
+    rules = dict(RULES)
+    if args.before:
+        rules = {f"DivergenceRule @{args.before} (before)": rule_at(args.before), **rules}
     runs = load_runs(args.dir)
     sets = [name for name in SETS if any(r["set"] == name for r in runs)]
     print(
         "| rule | set | healthy FP | diverging: early / missed | delay median (max) vs: onset | "
         + " | ".join(f"{d} departure" for d in DEPARTURES)
-        + " |"
+        + f" | > {LATE} late vs sustained 1.5x |"
     )
-    print("|---|---|---|---|---|" + "---|" * len(DEPARTURES))
-    for name, make in RULES.items():
+    print("|---|---|---|---|---|" + "---|" * (len(DEPARTURES) + 1))
+    for name, make in rules.items():
         for set_name in sets:
             s = summarize(score_all([r for r in runs if r["set"] == set_name], make))
             print(
                 f"| {name} | {set_name} | {s['fp_healthy']}/{s['healthy']} | "
                 f"{s['early']} / {s['missed']} of {s['diverging']} | {_pair(s['onset'])} | "
                 + " | ".join(_pair(s[d]) for d in DEPARTURES)
-                + " |"
+                + f" | {s['late sustained 1.5x']} |"
             )
     if not args.runs:
         return 0
     print()
-    names = list(RULES)
+    names = list(rules)
     print("| run | kind | onset | departure: strict / s1.5x / s2x | " + " | ".join(names) + " |")
     print("|---|---|---|---|" + "---|" * len(names))
-    all_scores = {n: score_all(runs, m) for n, m in RULES.items()}
+    all_scores = {n: score_all(runs, m) for n, m in rules.items()}
     for i, run in enumerate(runs):
         cells = []
         for n in names:

@@ -52,10 +52,11 @@ class DivergenceRule:
     Against a baseline (the lowest recent rolling median) and the step-to-step noise of the
     values before the excursion, the rule fires on: a non-finite value at once; `persist`
     values above `sigmas` x noise among the last `persist` to `persist + slack` (no value in
-    between back near the baseline, the smallest excess at least `hold` x the largest);
-    `persist + 1` consecutive values above `long_sigmas` x noise (same `hold`); or two
-    consecutive values `fast_ratio` x the baseline. Work is in log space, so no default
-    depends on the metric's scale. docs/divergence.md explains the defaults.
+    between back near the baseline; still rising, or the smallest excess at least `hold` x
+    the largest); `persist + 1` consecutive values above `long_sigmas` x noise (same `hold`,
+    waived when all are above `sigmas` x noise); or two consecutive values `fast_ratio` x
+    the baseline. Work is in log space, so no default depends on the metric's scale.
+    docs/divergence.md explains the defaults.
     """
 
     def __init__(
@@ -187,7 +188,12 @@ class DivergenceRule:
         """Which test the excursion so far passes, in words; None while it could be a spike."""
         run, threshold = self._excursion, baseline.threshold
         long = run[-(self.persist + 1) :]
-        if len(long) > self.persist and min(long) > baseline.low and _holds(long, self.hold):
+        # `hold` is waived when every value is elevated: no spike lasts that long.
+        if (
+            len(long) > self.persist
+            and min(long) > baseline.low
+            and (min(long) > threshold or _holds(long, self.hold))
+        ):
             return f"raised for {len(long)} steps"
         if run[-1] <= threshold:
             return None
@@ -202,8 +208,9 @@ class DivergenceRule:
 
         `persist` elevated values among the last `persist` to `persist + slack`, every value
         in that span above `dip` x the threshold (a dip that stays raised is noise on a new
-        level; a return to the baseline is a spike ending), and the smallest elevated excess
-        at least `hold` x the largest (a spike next to a noisy step is not a level).
+        level; a return to the baseline is a spike ending), and either the span ends on its
+        highest value (still rising: a ramp) or the smallest elevated excess is at least
+        `hold` x the largest (falling from a peak much higher than the rest is a spike's tail).
         """
         run = self._excursion
         for width in range(self.persist, min(len(run), self.persist + self.slack) + 1):
@@ -212,7 +219,7 @@ class DivergenceRule:
             if (
                 len(high) >= self.persist
                 and min(span) > self.dip * threshold
-                and _holds(high, self.hold)
+                and (span[-1] >= max(span) or _holds(high, self.hold))
             ):
                 return True
         return False

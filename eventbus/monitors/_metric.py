@@ -7,8 +7,8 @@
     any name                    Scalars.values[name], EvalEnded.metrics[name]; and, for
                                 "eval_<key>" / "eval/<key>", EvalEnded.metrics[<key>]
 
-The same names as `DivergenceDetector` reads (docs/divergence.md), extended with the
-"<split>/..." forms. Values reach monitors as host floats: tensors were captured at publish.
+`DivergenceDetector` and the stoppers read names through this one table. Values reach
+monitors as host floats: tensors were captured at publish.
 """
 
 from __future__ import annotations

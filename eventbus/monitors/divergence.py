@@ -14,6 +14,7 @@ from eventbus.core import BusHandle
 from eventbus.events import DivergenceDetected, EvalEnded, Event, Loss, OptimizerStepped, Scalars
 from eventbus.log import get_logger
 from eventbus.monitors._divergence_rule import Detection, DivergenceRule
+from eventbus.monitors._metric import metric_value
 
 __all__ = ["DivergenceDetector"]
 
@@ -24,9 +25,10 @@ _ACTIONS = ("warn", "stop", "abort")
 class DivergenceDetector:
     """Watches one metric and reports divergence: NaN/Inf at once, a sustained rise in ~3 steps.
 
-    `metric`: "loss" (training `Loss` events), "grad_norm" (`OptimizerStepped`), "eval_loss"
-    (`EvalEnded.metrics["loss"]` or `Loss(split="eval")`), or any other name, looked up in
-    `Scalars.values` and `EvalEnded.metrics`. `action`: "warn" (log only), "stop"
+    `metric`: a name as the stoppers read it (monitors/_metric.py): "loss" (`Loss` of
+    `split`), "grad_norm" / "lr" (`OptimizerStepped`), "eval_loss" or "eval/loss"
+    (`Loss(split="eval")`, `EvalEnded.metrics`), "<split>_loss" / "<split>/loss", or any
+    name in `Scalars.values` and `EvalEnded.metrics`. `action`: "warn" (log only), "stop"
     (`bus.control.request_stop`) or "abort" (`bus.control.request_abort`). Other keyword
     arguments tune `DivergenceRule`; the defaults work at any loss scale.
     """
@@ -64,7 +66,7 @@ class DivergenceDetector:
 
     async def on_events(self, batch: list[Event]) -> None:
         for ev in batch:
-            value = self._value(ev)
+            value = metric_value(ev, self.metric, self.split)
             if value is None:
                 continue
             step = ev.step
@@ -74,27 +76,6 @@ class DivergenceDetector:
             found = self.rule.update(step, value)
             if found is not None:
                 self._report(found)
-
-    def _value(self, ev: Event) -> float | None:
-        """The watched metric's value in `ev`, or None when `ev` does not carry it."""
-        m = self.metric
-        raw: Any = None
-        if isinstance(ev, Loss):
-            wanted = self.split if m == "loss" else "eval" if m == "eval_loss" else None
-            if ev.split == wanted:
-                raw = ev.value
-        elif isinstance(ev, OptimizerStepped):
-            raw = ev.grad_norm if m == "grad_norm" else ev.lr if m == "lr" else None
-        elif isinstance(ev, EvalEnded):
-            raw = ev.metrics.get("loss" if m == "eval_loss" else m)
-        elif isinstance(ev, Scalars):
-            raw = ev.values.get(m)
-        if raw is None or isinstance(raw, bool):
-            return None
-        try:
-            return float(raw)  # already a host float: tensors were resolved on the bus side
-        except (TypeError, ValueError):
-            return None
 
     def _report(self, d: Detection) -> None:
         ev = DivergenceDetected(

@@ -98,6 +98,33 @@ def test_other_metrics_and_splits() -> None:
     assert [d.step for d in ev.detections] == [3]
 
 
+def test_metric_names_are_the_stoppers_names() -> None:
+    # monitors/_metric.py: "<split>_loss" and "<split>/loss" read Loss of that split, and
+    # "eval_<key>" / "eval/<key>" read EvalEnded.metrics under either name.
+    names = ["val_loss", "train/loss", "eval/loss", "eval_loss"]
+    dets = {n: DivergenceDetector(metric=n) for n in names}
+    bus = EventBus()
+    for det in dets.values():
+        bus.subscribe(det)
+    with bus:
+        bus.publish(Loss(step=1, value=math.nan, split="val"))
+        bus.publish(Loss(step=2, value=math.nan))
+        bus.publish(EvalEnded(step=3, metrics={"loss": math.nan}))
+        bus.publish(EvalEnded(step=4, metrics={"eval_loss": math.inf}))
+    assert {n: [d.step for d in det.detections] for n, det in dets.items()} == {
+        "val_loss": [1],
+        "train/loss": [2],
+        "eval/loss": [3],
+        "eval_loss": [3],
+    }
+    late = DivergenceDetector(metric="eval_loss")
+    bus = EventBus()
+    bus.subscribe(late)
+    with bus:
+        bus.publish(EvalEnded(step=4, metrics={"eval_loss": math.inf}))
+    assert [d.step for d in late.detections] == [4]
+
+
 def test_state_dict_keeps_the_baseline_across_a_resume() -> None:
     run = _run("tune_reg_mlp_lr_jump_227")
     losses = run["loss"]
