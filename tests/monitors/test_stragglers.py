@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from eventbus import EventBus
+from eventbus.cli import main as cli
 from eventbus.codec import iter_lines
 from eventbus.events import (
     BackwardEnded,
@@ -31,7 +32,9 @@ def _events(path: Path) -> list[Event]:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("run", ["slow", "slow_allreduce"])
-def test_the_rank_slowed_in_its_forward_is_named(two_ranks: Path, run: str) -> None:
+def test_the_rank_slowed_in_its_forward_is_named(
+    two_ranks: Path, run: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     evs = _events(two_ranks / run / "events.rank0.jsonl")
     named = [e for e in evs if isinstance(e, StragglerDetected)]
     assert [(e.straggler, e.phase) for e in named] == [(1, "forward")]
@@ -45,6 +48,10 @@ def test_the_rank_slowed_in_its_forward_is_named(two_ranks: Path, run: str) -> N
             ends = _events(two_ranks / run / f"events.rank{r}.jsonl")
             steps[r] = sum(e.duration_s or 0 for e in ends if isinstance(e, StepEnded))
         assert steps[0] > 0.8 * steps[1]  # rank 0 waited: its whole step names no one
+    logs = [str(two_ranks / run / f"events.rank{r}.jsonl") for r in (0, 1)]
+    capsys.readouterr()
+    assert cli(["summary", *logs]) == 0
+    assert "straggler @30 on rank 0: rank 1 at " in capsys.readouterr().out
 
 
 @pytest.mark.timeout(300)
