@@ -167,7 +167,7 @@ class EventBus:
         return StepScope(self, step, samples=samples, tokens=tokens)
 
     def phase(self, name: str, *, step: int | None = None, **fields: Any) -> PhaseScope:
-        """`with bus.phase("forward" | "backward" | "optimizer")`: its *Ended event at the end."""
+        """`with bus.phase("forward" | "backward" | "optimizer" | "data")`: its *Ended event."""
         return PhaseScope(self, name, step, **fields)
 
     # -- subscribing -----------------------------------------------------------------

@@ -16,6 +16,7 @@ from eventbus._event_base import Event, Number, event_fields, event_type, regist
 
 __all__ = [
     "BackwardEnded",
+    "BatchLoaded",
     "BusCost",
     "CheckpointLoaded",
     "CheckpointSaved",
@@ -31,6 +32,8 @@ __all__ = [
     "MemorySnapshotSaved",
     "OptimizerStepped",
     "ProfileSaved",
+    "RankUnresponsive",
+    "ReducedMetric",
     "RunEnded",
     "RunStarted",
     "SaveRequested",
@@ -40,6 +43,7 @@ __all__ = [
     "StepEnded",
     "StepStarted",
     "StopRequested",
+    "StragglerDetected",
     "TensorLayout",
     "TensorStats",
     "TimeEstimate",
@@ -106,6 +110,13 @@ class StepEnded(Event):
     duration_s: float | None = None
     samples: int | None = None
     tokens: int | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class BatchLoaded(Event):
+    """A step's batch arrived; `duration_s`: how long the loop waited for it (the data phase)."""
+
+    duration_s: float | None = None
 
 
 @dataclass(slots=True, kw_only=True)
@@ -236,6 +247,44 @@ class StallEnded(Event):
     """A step ended after a `StallDetected`: no step had ended for `stalled_s` seconds."""
 
     stalled_s: float = 0.0
+
+
+@dataclass(slots=True, kw_only=True)
+class StragglerDetected(Event):
+    """Rank `straggler` spent `relative` x the fastest rank's time on its own work (`seconds`
+    against `fastest_s`: its phases' medians over the window ending at `step`), most of the
+    excess in `phase`; `history`: x its own earlier windows (None before any); `scores`: every
+    rank's relative score ("rank": x)."""
+
+    straggler: int = 0
+    phase: str = ""
+    relative: float = 0.0
+    history: float | None = None
+    seconds: float = 0.0
+    fastest_s: float = 0.0
+    scores: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True, kw_only=True)
+class ReducedMetric(Event):
+    """`name` (an event type, `Type.key` for a dict field) reduced over `ranks` ranks by `op`
+    (`RankReducer`, on rank 0); `missing`: ranks that sent nothing for this step."""
+
+    name: str = ""
+    op: str = "mean"
+    value: float = 0.0
+    ranks: int = 0
+    missing: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True, kw_only=True)
+class RankUnresponsive(Event):
+    """Rank `missing_rank` sent nothing to rank 0 for `waited_s` (it died, or hangs):
+    `source` stops waiting for it until it sends again."""
+
+    missing_rank: int = 0
+    waited_s: float = 0.0
+    source: str = ""
 
 
 @dataclass(slots=True, kw_only=True)

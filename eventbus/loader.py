@@ -30,6 +30,8 @@ SHORT_NAMES: dict[str, str] = {
     "threshold_stop": "eventbus.monitors:ThresholdStopper",
     "checkpoint_jobs": "eventbus.monitors:CheckpointJobs",
     "watchdog": "eventbus.monitors:HangWatchdog",
+    "stragglers": "eventbus.monitors:StragglerDetector",
+    "rank_reducer": "eventbus.monitors:RankReducer",
 }
 
 

@@ -1,6 +1,8 @@
 """Step and phase scopes for custom loops: the standard events without boilerplate.
 
     with bus.step(step, samples=len(batch)) as s:      # StepStarted(step)
+        with bus.phase("data"):                        # BatchLoaded(step, duration_s)
+            batch = next(batches)
         with bus.phase("forward"):                     # ForwardEnded(step, duration_s)
             loss = model(batch)
         with bus.phase("backward"):                    # BackwardEnded(step, duration_s)
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from eventbus.events import (
     BackwardEnded,
+    BatchLoaded,
     Event,
     ForwardEnded,
     OptimizerStepped,
@@ -41,6 +44,7 @@ if TYPE_CHECKING:
 __all__ = ["PHASES", "PhaseScope", "StepScope", "current_step", "on_step_change"]
 
 PHASES: dict[str, type[Event]] = {
+    "data": BatchLoaded,
     "forward": ForwardEnded,
     "backward": BackwardEnded,
     "optimizer": OptimizerStepped,
@@ -135,7 +139,8 @@ class StepScope:
 
 
 class PhaseScope:
-    """`with bus.phase("forward" | "backward" | "optimizer", **fields)`: its event at the end.
+    """`with bus.phase("data" | "forward" | "backward" | "optimizer", **fields)`: its event at
+    the end.
 
     The step is the innermost open `bus.step` scope's unless given. `set(**fields)` adds
     fields inside the block (e.g. `grad_norm=` for "optimizer": a tensor is fine).

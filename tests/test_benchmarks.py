@@ -321,3 +321,13 @@ def test_ctl_cost_tiny_run() -> None:
         out, ["ctl_cost.bus_p50_ms", "ctl_cost.ctl_p50_ms", "ctl_cost.ctl_polled_p50_ms"]
     )
     assert out["ctl_cost.status_requests"] >= 1  # the poller was answered while it ran
+
+
+@pytest.mark.timeout(180)
+def test_ranks_cost_tiny_run() -> None:
+    from benchmarks import ranks_cost
+
+    out = ranks_cost.run(blocks=1, steps=10)
+    assert out["ranks_cost.steps_per_variant"] == 10
+    _positive_numbers(out, ["ranks_cost.bus_p50_ms", "ranks_cost.ranks_p50_ms"])
+    assert out["ranks_cost.reduced"] == out["ranks_cost.reduced_expected"] == 30

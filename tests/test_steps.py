@@ -11,6 +11,7 @@ import torch
 from eventbus import EventBus
 from eventbus.events import (
     BackwardEnded,
+    BatchLoaded,
     ForwardEnded,
     OptimizerStepped,
     StepEnded,
@@ -66,6 +67,8 @@ def test_phases_take_the_step_of_the_open_scope(bus: EventBus, recorder: Recorde
     norm = torch.tensor(2.5)
     with bus:
         with bus.step(7):
+            with bus.phase("data"):
+                pass
             with bus.phase("forward"):
                 pass
             with bus.phase("backward"):
@@ -80,6 +83,7 @@ def test_phases_take_the_step_of_the_open_scope(bus: EventBus, recorder: Recorde
     kinds = [type(e) for e in recorder.got]
     assert kinds == [
         StepStarted,
+        BatchLoaded,
         ForwardEnded,
         BackwardEnded,
         OptimizerStepped,
@@ -87,12 +91,12 @@ def test_phases_take_the_step_of_the_open_scope(bus: EventBus, recorder: Recorde
         ForwardEnded,
         ForwardEnded,
     ]
-    assert [e.step for e in recorder.got] == [7, 7, 7, 7, 7, None, 9]
-    opt = recorder.got[3]
+    assert [e.step for e in recorder.got] == [7, 7, 7, 7, 7, 7, None, 9]
+    opt = recorder.got[4]
     assert opt.lr == 0.1
     assert opt.grad_norm == 2.5
     assert opt.duration_s >= 0
-    assert recorder.got[2].duration_s >= 0.01
+    assert recorder.got[3].duration_s >= 0.01
 
 
 def test_a_step_that_raises_publishes_no_end(bus: EventBus, recorder: Recorder) -> None:
@@ -131,7 +135,7 @@ def test_steps_of_two_buses_are_independent() -> None:
         (lambda bus: bus.step(1.0), TypeError, "step number as an int"),
         (lambda bus: bus.step(1, samples=-1), TypeError, "samples must be"),
         (lambda bus: bus.step(1, tokens="many"), TypeError, "tokens must be"),
-        (lambda bus: bus.phase("fwd"), ValueError, "unknown phase 'fwd'; use one of forward"),
+        (lambda bus: bus.phase("fwd"), ValueError, "unknown phase 'fwd'; use one of data, forward"),
         (lambda bus: bus.phase("forward", lr=1.0), TypeError, "ForwardEnded has no field"),
         (lambda bus: bus.phase("optimizer", step="x"), TypeError, "step must be an int"),
     ],

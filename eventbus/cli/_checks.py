@@ -18,6 +18,7 @@ from eventbus.events import (
     MemoryLeakSuspected,
     MemorySample,
     OptimizerStepped,
+    RankUnresponsive,
     RunEnded,
     RunStarted,
     Scalars,
@@ -25,6 +26,7 @@ from eventbus.events import (
     StallEnded,
     StepEnded,
     StopRequested,
+    StragglerDetected,
 )
 
 __all__ = ["MEMORY_FIELDS", "as_float", "check_event"]
@@ -73,6 +75,15 @@ def check_event(ev: Event) -> None:
         _text(ev, "path")
     elif isinstance(ev, StallEnded):
         _numbers(ev, "stalled_s", optional=False)
+    elif isinstance(ev, StragglerDetected):
+        _integers(ev, "straggler")
+        _numbers(ev, "relative", "seconds", "fastest_s", optional=False)
+        _numbers(ev, "history")
+        _text(ev, "phase", optional=False)
+    elif isinstance(ev, RankUnresponsive):
+        _integers(ev, "missing_rank")
+        _numbers(ev, "waited_s", optional=False)
+        _text(ev, "source", optional=False)
 
 
 def as_float(v: Any) -> float | None:

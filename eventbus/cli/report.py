@@ -26,12 +26,14 @@ from eventbus.events import (
     MemoryLeakSuspected,
     MemorySample,
     OptimizerStepped,
+    RankUnresponsive,
     RunEnded,
     RunStarted,
     StallDetected,
     StallEnded,
     StepEnded,
     StopRequested,
+    StragglerDetected,
     TimeEstimate,
 )
 from eventbus.logformat import (
@@ -200,7 +202,13 @@ class RunReport:
             self.fresh_starts[path] = self.fresh_starts.get(path, 0) + 1
         if isinstance(
             ev,
-            DivergenceDetected | MemoryLeakSuspected | StopRequested | StallDetected | StallEnded,
+            DivergenceDetected
+            | MemoryLeakSuspected
+            | StopRequested
+            | StallDetected
+            | StallEnded
+            | StragglerDetected
+            | RankUnresponsive,
         ):
             self.detections.append(ev)
         elif rank == self._rank0:  # series and throughput from one rank (the lowest)

@@ -20,9 +20,11 @@ from eventbus.cli.runs import read_runs, run_names
 from eventbus.events import (
     DivergenceDetected,
     MemoryLeakSuspected,
+    RankUnresponsive,
     StallDetected,
     StallEnded,
     StopRequested,
+    StragglerDetected,
 )
 
 __all__ = ["add_parser", "run", "summary_dict", "summary_lines"]
@@ -134,6 +136,23 @@ def summary_dict(r: RunReport) -> dict[str, Any]:
                 else {}
             ),
             **({"stalled_s": d.stalled_s} if isinstance(d, StallEnded) else {}),
+            **(
+                {
+                    "straggler": d.straggler,
+                    "phase": d.phase,
+                    "relative": d.relative,
+                    "history": d.history,
+                    "seconds": d.seconds,
+                    "fastest_s": d.fastest_s,
+                }
+                if isinstance(d, StragglerDetected)
+                else {}
+            ),
+            **(
+                {"missing_rank": d.missing_rank, "waited_s": d.waited_s, "source": d.source}
+                if isinstance(d, RankUnresponsive)
+                else {}
+            ),
         }
         for d in r.detections
     ]
@@ -326,4 +345,21 @@ def _detection(x: dict[str, Any], *, multi_rank: bool) -> str:
         return f"stall {at}: no step for {x['waited_s']:.1f} s (bound {x['bound_s']:.1f} s){where}"
     if t == "StallEnded":
         return f"stall ended {at}: no step had ended for {x['stalled_s']:.1f} s"
+    if t in ("StragglerDetected", "RankUnresponsive"):
+        return _cross_rank(t, at, x)
     return f"{'abort' if x['abort'] else 'stop'} {at} by {x['source']}: {x['reason']}"
+
+
+def _cross_rank(t: str, at: str, x: dict[str, Any]) -> str:
+    """A straggler or a rank gone silent, as rank 0 reported it."""
+    if t == "RankUnresponsive":
+        return (
+            f"rank {x['missing_rank']} unresponsive {at}: sent nothing for "
+            f"{x['waited_s']:.1f} s ({x['source']})"
+        )
+    own = "" if x["history"] is None else f"; {x['history']:.2f} x its own history"
+    return (
+        f"straggler {at}: rank {x['straggler']} at {x['relative']:.2f} x the fastest rank "
+        f"({x['seconds'] * 1e3:.3g} ms against {x['fastest_s'] * 1e3:.3g} ms, most in "
+        f"{x['phase']}{own})"
+    )

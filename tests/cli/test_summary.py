@@ -16,12 +16,14 @@ from eventbus.codec import encode
 from eventbus.events import (
     DivergenceDetected,
     Loss,
+    RankUnresponsive,
     RunEnded,
     RunStarted,
     StallDetected,
     StallEnded,
     StepEnded,
     StopRequested,
+    StragglerDetected,
     TimeEstimate,
 )
 from eventbus.logformat import SKIPPED_TYPE, STATS_TYPE, header, record, write_events
@@ -92,6 +94,40 @@ def test_summary_shows_stalls(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     got = orjson.loads(capsys.readouterr().out)["detections"]
     assert [(d["type"], d["step"]) for d in got] == [("StallDetected", 19), ("StallEnded", 20)]
     assert got[0]["waited_s"] == 75.5 and got[1]["stalled_s"] == 91.25
+
+
+def test_summary_shows_stragglers_and_silent_ranks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with EventBus(drain_interval=0.002) as bus:
+        bus.subscribe(JsonlWriter(tmp_path))
+        bus.publish(
+            StragglerDetected(
+                step=30,
+                straggler=3,
+                phase="forward",
+                relative=2.5,
+                history=1.8,
+                seconds=0.025,
+                fastest_s=0.01,
+                scores={"0": 1.0, "3": 2.5},
+            )
+        )
+        bus.publish(RankUnresponsive(step=31, missing_rank=2, waited_s=300.0, source="stragglers"))
+    assert main(["summary", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "straggler @30: rank 3 at 2.50 x the fastest rank (25 ms against 10 ms, most in "
+        "forward; 1.80 x its own history)"
+    ) in out
+    assert "rank 2 unresponsive @31: sent nothing for 300.0 s (stragglers)" in out
+    assert main(["summary", "--json", str(tmp_path)]) == 0
+    got = orjson.loads(capsys.readouterr().out)["detections"]
+    assert [(d["type"], d["step"]) for d in got] == [
+        ("StragglerDetected", 30),
+        ("RankUnresponsive", 31),
+    ]
+    assert (got[0]["straggler"], got[0]["relative"], got[1]["missing_rank"]) == (3, 2.5, 2)
 
 
 def test_summary_of_a_crashed_run_says_losses_are_unknown(
