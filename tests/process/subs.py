@@ -277,3 +277,24 @@ class Burner:
             end = time.thread_time() + self.ms / 1e3
             while time.thread_time() < end:
                 pass
+
+
+class SaveAsker:
+    """Asks for a checkpoint (`bus.control.request_save`) at each step in `at`, and publishes
+    what each request returned, so a test in the parent sees it."""
+
+    events = (Loss,)
+    policy = "block"
+
+    def __init__(self, at: tuple[int, ...]) -> None:
+        self.at = at
+        self.bus: Any = None
+
+    def on_start(self, bus: BusHandle) -> None:
+        self.bus = bus
+
+    def on_events(self, batch: list[Event]) -> None:
+        for ev in batch:
+            if ev.step in self.at:
+                asked = self.bus.control.request_save(f"step {ev.step}", step=ev.step)
+                self.bus.publish(Scalars(step=ev.step, values={"asked": float(asked)}))
