@@ -12,14 +12,16 @@ import os
 import pwd
 import socket
 import stat
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
 
 from eventbus import EventBus
-from eventbus.ctl import ControlServer, Denied, Refused, read_token, request
+from eventbus.ctl import ControlServer, Denied, Gone, Refused, read_token, request
 from eventbus.ctl.protocol import MAX_REQUEST
 from eventbus.events import (
     CheckpointSaved,
@@ -281,3 +283,52 @@ def test_a_forked_child_leaves_the_parents_listener_alone(tmp_path: Path) -> Non
         os.waitpid(pid, 0)
         assert (tmp_path / "eventbus.sock").exists()
         assert request(tmp_path, "ping")["pid"] == os.getpid()
+
+
+# -- save --wait ------------------------------------------------------------------------------
+
+
+def _in_thread(fn: Callable[[], dict[str, Any]]) -> tuple[threading.Thread, list[Any]]:
+    """Run `fn` on a thread: (the thread, [its result or the exception it raised])."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except Exception as e:
+            out.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def test_save_wait_is_answered_by_the_first_checkpoint_after_the_request(tmp_path: Path) -> None:
+    with serving(tmp_path) as (bus, srv):
+        bus.publish(CheckpointSaved(step=1, path="before.pt"))  # before the request: not it
+        bus.publish(StepEnded(step=2))
+        wait("step 2", lambda: srv.view.step == 2)
+        t, out = _in_thread(lambda: request(tmp_path, "save", "now", wait=30))
+        wait("the request", lambda: bus.control.save_requested)
+        t2, out2 = _in_thread(lambda: request(tmp_path, "save", wait=30))  # coalesced into it
+        wait("the second request", lambda: len(srv._waiters) == 2)
+        assert not out and not out2  # both still waiting
+        bus.publish(CheckpointSaved(step=2, path="asked.pt"))
+        bus.control.save_done()
+        bus.publish(CheckpointSaved(step=3, path="after.pt"))
+        t.join(30)
+        t2.join(30)
+    (first,) = out
+    (second,) = out2
+    assert (first["step"], first["already"], first["saved"]["path"]) == (2, False, "asked.pt")
+    assert (second["already"], second["saved"]["path"]) == (True, "asked.pt")
+
+
+def test_save_wait_hears_when_the_job_closes_first(tmp_path: Path) -> None:
+    with serving(tmp_path) as (bus, _):
+        t, out = _in_thread(lambda: request(tmp_path, "save", wait=30))
+        wait("the request", lambda: bus.control.save_requested)
+    t.join(30)
+    (err,) = out
+    assert isinstance(err, Gone) and err.exit_code == 8
+    assert "before the save was done" in str(err)
