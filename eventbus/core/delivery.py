@@ -81,6 +81,7 @@ class Delivery:
         self._batch_done = 0  # events of the batch in hand already counted
         self.busy_since: float | None = None
         self.busy_with: str | None = None
+        self.started = False  # its on_start returned (or raised): a flush waits for it
         self.latencies: deque[float] = deque(maxlen=1024)
         self.cpu_ns = 0  # CPU time of its async calls, on the loop (its worker counts the rest)
         self._markers = Markers()
@@ -133,8 +134,9 @@ class Delivery:
             self._check_markers()
 
     def add_marker(self, callback: Callable[[], None]) -> None:
-        """Call `callback` once everything routed to this subscriber so far was handled."""
-        idle = self.busy_since is None
+        """Call `callback` once everything routed to this subscriber so far was handled (and
+        its `on_start` returned: `run()` checks the markers once it begins)."""
+        idle = self.busy_since is None and self.started
         now = self._markers.add(self.routed, callback, done=self._processed(), idle=idle)
         if not now and self.queue is not None:
             self.queue.poke()

@@ -266,6 +266,7 @@ class BusLoop:
         if not await d.call_hook("on_start", self.handle) and d.state is State.RUNNING:
             d.disable("on_start raised")
             self.router.refresh()
+        d.started = True  # a flush asked meanwhile completes in run(), not before
         await d.run()
 
     def _retire(self, d: Delivery) -> None:
