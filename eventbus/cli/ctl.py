@@ -21,7 +21,7 @@ from eventbus.cli._errors import UsageError, fail
 from eventbus.cli._format import g, hms
 from eventbus.ctl.client import CtlError, read_token, request
 from eventbus.ctl.listen import parse_address
-from eventbus.ctl.protocol import COMMANDS, TOKEN_NAME
+from eventbus.ctl.protocol import COMMANDS, MAX_WAIT, TOKEN_NAME
 
 __all__ = ["add_parser", "one_line", "run"]
 
@@ -70,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
     if args.timeout is not None and args.timeout <= 0:
         raise UsageError("--timeout must be positive")
     timeout = args.timeout or (SAVE_S if args.wait else ANSWER_S)
+    if args.wait and timeout > MAX_WAIT:
+        raise UsageError(f"--timeout with --wait: at most {MAX_WAIT:g} s")
     if args.token_file is not None and args.tcp is None:
         raise UsageError("--token-file goes with --tcp")
     tcp = token = None

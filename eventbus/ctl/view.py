@@ -86,8 +86,8 @@ class RunView:
             rate = self._steps_per_s()
             step, total = self._step, self._total
             eta = None
-            if rate and total is not None and step is not None:
-                eta = max(0.0, (total - step) / rate)
+            if rate and total is not None and step is not None and self._ended is None:
+                eta = max(0.0, (total - step) / rate)  # an ended run has none, however far
             return {
                 "step": step,
                 "total_steps": total,

@@ -53,6 +53,21 @@ def _open_dir() -> Iterator[Path]:
         yield d
 
 
+def _in_thread(fn: Callable[[], dict[str, Any]]) -> tuple[threading.Thread, list[Any]]:
+    """Run `fn` on a thread: (the thread, [its result or the exception it raised])."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except Exception as e:
+            out.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
 def _stop(run_dir: Path) -> int:
     request(run_dir, "stop", "not yours")
     return 0
@@ -161,8 +176,10 @@ def test_two_ranks_save_and_stop_at_the_same_step(tmp_path: Path) -> None:
         j.wait_for("the listener", lambda: j.ask("ping"), t=90)
         assert j.ask("ping")["world_size"] == 2  # type: ignore[index]
         j.wait_step(10)
-        assert request(j.run_dir, "save")["already"] is False
+        t, waited = _in_thread(lambda: request(j.run_dir, "save", wait=60))  # save --wait
+        j.wait_for("the request", lambda: (j.ask("status") or {}).get("save_pending") or None)
         j.go(10)
+        t.join(60)
         j.wait_step(20)
         assert request(j.run_dir, "stop", "two ranks")["already"] is False
         j.go(20)
@@ -183,6 +200,8 @@ def test_two_ranks_save_and_stop_at_the_same_step(tmp_path: Path) -> None:
     # Agreed with overlap (the default): seen one check after the one that carried it.
     assert saved == {0: 11, 1: 11}
     assert stopped == {0: 21, 1: 21}
+    (reply,) = waited  # answered by rank 0's checkpoint, at the agreed step
+    assert (reply["already"], reply["saved"]["step"]) == (False, 11)
 
 
 # -- who may talk to it -----------------------------------------------------------------------
@@ -286,21 +305,6 @@ def test_a_forked_child_leaves_the_parents_listener_alone(tmp_path: Path) -> Non
 
 
 # -- save --wait ------------------------------------------------------------------------------
-
-
-def _in_thread(fn: Callable[[], dict[str, Any]]) -> tuple[threading.Thread, list[Any]]:
-    """Run `fn` on a thread: (the thread, [its result or the exception it raised])."""
-    out: list[Any] = []
-
-    def run() -> None:
-        try:
-            out.append(fn())
-        except Exception as e:
-            out.append(e)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, out
 
 
 def test_save_wait_is_answered_by_the_first_checkpoint_after_the_request(tmp_path: Path) -> None:

@@ -19,6 +19,9 @@ def test_rate_and_eta_come_from_publish_times() -> None:
     assert snap["steps_per_s"] == 4.0
     assert snap["eta_s"] == 22.5  # 90 steps left at 4 a second
     assert snap["run"] == "running"
+    v.update([RunEnded(status="stopped", step=10, ts=11 * S // 4)])
+    snap = v.snapshot()
+    assert (snap["run"], snap["eta_s"]) == ("stopped", None)  # stopped at 10/100: no ETA
 
 
 def test_a_nan_loss_is_said_and_eval_losses_are_not_the_training_loss() -> None:
