@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import pytest
@@ -55,8 +57,8 @@ def _healthy(uri: str) -> bool:
         return False
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+@contextmanager
+def _serving(d: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """`mlflow server` on 127.0.0.1 (sqlite store, local artifacts), once it answers /health."""
     missing = [m for m in SERVER_NEEDS if importlib.util.find_spec(m) is None]
     if missing:
@@ -64,7 +66,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             f"mlflow server needs {', '.join(missing)} (the full mlflow package brings them; "
             "mlflow-skinny does not)"
         )
-    d = tmp_path_factory.mktemp("mlflow-server")
     port = _free_port()
     uri = f"http://127.0.0.1:{port}"
     log = d / "server.log"
@@ -104,14 +105,25 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             if time.monotonic() > deadline:
                 pytest.fail(f"mlflow server not healthy in 180 s:\n{log.read_text()[-3000:]}")
             time.sleep(0.2)
-        yield uri
+        yield uri, proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(30)
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    with suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)  # the server and its workers
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with _serving(tmp_path_factory.mktemp("mlflow-server")) as (uri, _):
+        yield uri
 
 
 def _kept(logged: float, sent: float) -> bool:
@@ -155,3 +167,31 @@ def test_every_step_params_and_statuses_through_a_real_server(server: str) -> No
         assert run.data.params == {"lr": "0.1", "opt.b": "2"}
         assert run.data.tags["where"] == "loopback"
         assert run.data.tags["eventbus.status"] == status
+
+
+def test_a_server_that_goes_away_mid_run_is_counted_and_training_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # fail fast, not in minutes
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    with _serving(tmp_path) as (uri, proc):
+        sink = MLflowSink(uri, experiment="goes-away")
+        bus = EventBus(drain_interval=0.002, close_timeout=60, max_consecutive_failures=1000)
+        bus.subscribe(sink, placement="thread", max_batch=1)  # one log_batch per event
+        with bus:
+            bus.publish(RunStarted(run_id="goes-away"))
+            for step in range(1, 4):
+                bus.publish(Loss(step=step, value=1.0))
+            assert bus.flush(timeout=60)
+            before = bus.stats()["mlflow"]
+            assert (before.delivered, before.failed) == (4, 0)
+            _stop(proc)  # the tracking server is gone
+            for step in range(4, 7):
+                bus.publish(Loss(step=step, value=1.0))
+            assert bus.flush(timeout=120)
+            assert not bus.should_stop
+        st = bus.stats()["mlflow"]
+    # After the server went: three losses and the RunEnded the bus publishes at close, each
+    # counted failed (why: the connection refused), none lost silently.
+    assert (st.published, st.delivered, st.failed, st.dropped) == (8, 4, 4, 0)
+    assert "Connection refused" in (st.error or "")
