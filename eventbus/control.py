@@ -16,17 +16,27 @@ class AbortRequested(RuntimeError):
 
 
 class Control:
-    """Stop / abort / save flags shared by every thread; reading them costs an attribute lookup."""
+    """Stop / abort / save flags shared by every thread; reading them costs an attribute lookup.
 
-    def __init__(self, publish: Callable[[Any], None]) -> None:
+    `relay=True`: the events it publishes are requests replayed on another `Control` (a
+    sidecar's, replayed on the training process's), which coalesces saves and is the one the
+    loop clears: this one forwards every save request and keeps none pending.
+    """
+
+    def __init__(self, publish: Callable[[Any], None], *, relay: bool = False) -> None:
         self._publish = publish
+        self._relay = relay
         self._lock = threading.Lock()
         self.stop_requested = False  # asked on this process
         self.abort_requested = False
         self.reason: str | None = None
         self.source: str | None = None
+        self._save_asking = False  # asked: its SaveRequested is being published
         self._save_pending = False  # asked on this process, not yet agreed
         self._save_agreed = False  # agreed (by every rank at the same check): the loop saves
+        # The SaveRequested of the save pending now (or of the last one): a CheckpointSaved
+        # published after it (a higher seq) answers it, whoever else asked meanwhile.
+        self.save_event: SaveRequested | None = None
         # Set by the distributed layer: takes (local stop, local abort) and returns what all
         # ranks agreed. None in a single process.
         self.agree: Callable[[bool, bool], tuple[bool, bool]] | None = None
@@ -77,13 +87,20 @@ class Control:
         """Ask the loop to save a checkpoint at its next check; publishes `SaveRequested`.
 
         Requests coalesce: while one is pending (asked, or agreed and not yet `save_done()`)
-        another does nothing and returns False.
+        another does nothing and returns False. A relay forwards each one (True): the
+        control it reaches coalesces.
         """
         with self._lock:
-            if self._save_pending or self._save_agreed:
+            if self._save_asking or self._save_pending or self._save_agreed:
                 return False
-            self._save_pending = True
-        self._publish(SaveRequested(step=step, reason=reason, source=source))
+            ev = self.save_event = SaveRequested(step=step, reason=reason, source=source)
+            self._save_asking = not self._relay
+        try:  # published first: a CheckpointSaved answering it comes after it in seq
+            self._publish(ev)
+        finally:
+            with self._lock:
+                if self._save_asking:  # not reset meanwhile
+                    self._save_asking, self._save_pending = False, True
         return True
 
     @property
@@ -112,7 +129,8 @@ class Control:
             self._save_pending, self._save_agreed = False, True
         if asked_on is not None and not (asked_here or already):
             reason = f"save requested on rank {asked_on}"
-            self._publish(SaveRequested(reason=reason, source=f"rank {asked_on}"))
+            ev = self.save_event = SaveRequested(reason=reason, source=f"rank {asked_on}")
+            self._publish(ev)
 
     def save_done(self) -> None:
         """The loop saved: clear the request (a later `request_save` asks again)."""
@@ -130,5 +148,6 @@ class Control:
         """Clear the flags (a new run on the same bus)."""
         with self._lock:
             self.stop_requested = self.abort_requested = False
-            self._save_pending = self._save_agreed = False
+            self._save_asking = self._save_pending = self._save_agreed = False
+            self.save_event = None
             self.reason = self.source = None

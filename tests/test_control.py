@@ -108,3 +108,22 @@ def test_reset_clears_a_save_too() -> None:
     c.request_save("x")
     c.reset()
     assert not c.save_requested and not c.save_pending
+
+
+def test_a_relay_forwards_every_save_and_the_control_it_reaches_coalesces() -> None:
+    loop = Control(lambda ev: None)  # the training process's: its loop calls save_done()
+    relayed: list[Event] = []
+
+    def replay(ev: Event) -> None:  # what the parent does with a sidecar's requests
+        relayed.append(ev)
+        if isinstance(ev, SaveRequested):
+            loop.request_save(ev.reason, source=ev.source, step=ev.step)
+
+    side = Control(replay, relay=True)  # a sidecar subscriber's
+    assert side.request_save("first", step=1) and loop.save_requested
+    assert side.request_save("while pending", step=2)  # forwarded; coalesced over there
+    assert not side.save_pending and not side.save_requested  # the relay holds nothing
+    loop.save_done()
+    assert side.request_save("after the save", step=3)  # not stuck: asks again
+    assert loop.save_requested
+    assert [e.step for e in relayed] == [1, 2, 3]

@@ -1,11 +1,12 @@
-"""`eventbus ctl RUN_DIR status|stop|abort|save|ping [REASON]`: talk to a running job.
+"""`eventbus ctl RUN_DIR status|stop|abort|save|ping [REASON] [--wait]`: talk to a running job.
 
 The job listens when its script subscribed `eventbus.ctl.ControlServer(RUN_DIR)`. One line
 of answer (`--json`: the job's reply as one JSON object); errors are one line on stderr with
 an exit code a script can test (`eventbus.ctl.Exit`):
 
     0 ok   1 a bug in eventbus   2 usage   3 no job running   4 stale socket
-    5 permission denied   6 refused by the job   7 no answer in time
+    5 permission denied   6 refused by the job   7 no answer (or, with --wait, no save) in time
+    8 with --wait: the run ended or the job went away before the save was done
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ from eventbus.cli._errors import UsageError, fail
 from eventbus.cli._format import g, hms
 from eventbus.ctl.client import CtlError, read_token, request
 from eventbus.ctl.listen import parse_address
-from eventbus.ctl.protocol import COMMANDS, TOKEN_NAME
+from eventbus.ctl.protocol import COMMANDS, MAX_WAIT, TOKEN_NAME
 
 __all__ = ["add_parser", "one_line", "run"]
+
+ANSWER_S = 5.0  # default --timeout: for the job's answer
+SAVE_S = 300.0  # default --timeout with --wait: for the checkpoint
 
 
 def add_parser(sub: Any) -> None:
@@ -44,7 +48,15 @@ def add_parser(sub: Any) -> None:
         help=f"the bearer token for --tcp (default RUN_DIR/{TOKEN_NAME})",
     )
     c.add_argument(
-        "--timeout", type=float, default=5.0, metavar="SECONDS", help="wait this long (5)"
+        "--wait",
+        action="store_true",
+        help="save: wait for the checkpoint that answers it; print its step and path",
+    )
+    c.add_argument(
+        "--timeout",
+        type=float,
+        metavar="SECONDS",
+        help=f"wait this long for an answer ({ANSWER_S:g}); with --wait, for the save ({SAVE_S:g})",
     )
     c.set_defaults(func=run)
 
@@ -53,8 +65,13 @@ def run(args: argparse.Namespace) -> int:
     """Send one command; print the answer; return the exit code."""
     if args.reason is not None and args.command in ("status", "ping"):
         raise UsageError(f"{args.command} takes no reason")
-    if args.timeout <= 0:
+    if args.wait and args.command != "save":
+        raise UsageError("--wait goes with save")
+    if args.timeout is not None and args.timeout <= 0:
         raise UsageError("--timeout must be positive")
+    timeout = args.timeout or (SAVE_S if args.wait else ANSWER_S)
+    if args.wait and timeout > MAX_WAIT:
+        raise UsageError(f"--timeout with --wait: at most {MAX_WAIT:g} s")
     if args.token_file is not None and args.tcp is None:
         raise UsageError("--token-file goes with --tcp")
     tcp = token = None
@@ -66,7 +83,13 @@ def run(args: argparse.Namespace) -> int:
                 raise UsageError(f"--tcp: {e}") from None
             token = read_token(args.token_file or Path(args.run_dir) / TOKEN_NAME)
         reply = request(
-            args.run_dir, args.command, args.reason, tcp=tcp, token=token, timeout=args.timeout
+            args.run_dir,
+            args.command,
+            args.reason,
+            tcp=tcp,
+            token=token,
+            timeout=ANSWER_S if args.wait else timeout,
+            wait=timeout if args.wait else None,
         )
     except CtlError as e:
         if args.json:
@@ -91,6 +114,9 @@ def one_line(reply: dict[str, Any]) -> str:
     if command == "status":
         return _status(reply)
     at = f" at step {reply['step']}" if reply.get("step") is not None else ""
+    saved = reply.get("saved")
+    if isinstance(saved, dict):
+        return f"saved at step {saved.get('step')}: {saved.get('path')} (asked{at})"
     if reply.get("already"):
         what = "a save is already pending" if command == "save" else f"{command} already asked"
         return f"{what}{at}"

@@ -73,7 +73,6 @@ class Delivery:
         self.delivered = 0
         self.failed = 0
         self.failures: FirstFailure | None = None  # set by a strict bus
-        self.started = False  # on_start returned (or raised): a flush may complete
         self.inbox_dropped = 0  # bumped by publishers at a full inbox (lossy subscribers only)
         self.lost_at_close = 0  # still in the inbox, routed nowhere, when the bus gave up
         self.consecutive_failures = 0
@@ -84,6 +83,7 @@ class Delivery:
         self._batch_done = 0  # events of the batch in hand already counted
         self.busy_since: float | None = None
         self.busy_with: str | None = None
+        self.started = False  # its on_start returned (or raised): a flush waits for it
         self.latencies: deque[float] = deque(maxlen=1024)
         self.cpu_ns = 0  # CPU time of its async calls, on the loop (its worker counts the rest)
         self._markers = Markers()
@@ -136,8 +136,9 @@ class Delivery:
             self._check_markers()
 
     def add_marker(self, callback: Callable[[], None]) -> None:
-        """Call `callback` once everything routed to this subscriber so far was handled."""
-        idle = self.busy_since is None and self.started  # on_start done: its file is open
+        """Call `callback` once everything routed to this subscriber so far was handled (and
+        its `on_start` returned: `run()` checks the markers once it begins)."""
+        idle = self.busy_since is None and self.started
         now = self._markers.add(self.routed, callback, done=self._processed(), idle=idle)
         if not now and self.queue is not None:
             self.queue.poke()

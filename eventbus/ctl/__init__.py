@@ -10,6 +10,7 @@ From a shell: `eventbus ctl runs/exp1 status`; from Python: `request("runs/exp1"
 from eventbus.ctl.client import (
     CtlError,
     Denied,
+    Gone,
     NoAnswer,
     NoJob,
     Refused,
@@ -28,6 +29,7 @@ __all__ = [
     "CtlError",
     "Denied",
     "Exit",
+    "Gone",
     "NoAnswer",
     "NoJob",
     "Refused",

@@ -2,7 +2,9 @@
 
 `request(run_dir, "status")` returns the reply (a dict with `"ok": True`) or raises a
 `CtlError` whose `exit_code` (`protocol.Exit`) tells a script what went wrong: no job, a stale
-socket, permission denied, refused by the job, or no answer in time.
+socket, permission denied, refused by the job, or no answer in time. `request(run_dir, "save",
+wait=60)` answers once the checkpoint that serves the request is saved (its step and path in
+`reply["saved"]`), or raises `Gone` if the run ends first.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from eventbus.ctl.protocol import MAX_REPLY, SOCKET_NAME, Exit, encode
 __all__ = [
     "CtlError",
     "Denied",
+    "Gone",
     "NoAnswer",
     "NoJob",
     "Refused",
@@ -73,6 +76,12 @@ class NoAnswer(CtlError):
     exit_code = Exit.NO_ANSWER
 
 
+class Gone(CtlError):
+    """`save --wait`: the run ended, or the job went away, before the save was done."""
+
+    exit_code = Exit.GONE
+
+
 def read_token(path: str | os.PathLike[str]) -> str:
     """The bearer token in `path` (what `ControlServer(tcp=...)` wrote there)."""
     try:
@@ -95,14 +104,21 @@ def request(
     tcp: tuple[str, int] | None = None,
     token: str | None = None,
     timeout: float = 5.0,
+    wait: float | None = None,
 ) -> dict[str, Any]:
-    """Send `command` to the job listening in `run_dir` (or on `tcp`); return its reply."""
-    deadline = time.monotonic() + timeout
+    """Send `command` to the job listening in `run_dir` (or on `tcp`); return its reply.
+
+    `wait` (save only): the job answers once the checkpoint is saved, within `wait` seconds
+    (`NoAnswer` after), or `Gone` if the run ends or the job dies first.
+    """
+    deadline = time.monotonic() + timeout + (wait or 0.0)
     msg: dict[str, Any] = {"command": command}
     if reason is not None:
         msg["reason"] = reason
     if token is not None:
         msg["token"] = token
+    if wait is not None:
+        msg["wait"] = wait
     sock = _connect_tcp(tcp, timeout) if tcp is not None else _connect_unix(run_dir, timeout)
     with sock:
         try:
@@ -110,9 +126,13 @@ def request(
             raw = _read_reply(sock, deadline)
         except TimeoutError:
             raise NoAnswer(f"no answer within {timeout:g} s") from None
-        except OSError as e:  # reset: the job refused to read any further
+        except OSError as e:  # reset: the job refused to read any further, or died
+            if wait is not None:
+                raise Gone(f"the job went away before the save was done: {e}") from None
             raise NoAnswer(f"the job closed the connection: {e.strerror or e}") from None
     if not raw.strip():
+        if wait is not None:  # it answers a wait at its end: it died
+            raise Gone("the job went away before the save was done")
         raise NoAnswer("the job closed the connection without answering")
     try:
         reply = orjson.loads(raw)
@@ -122,8 +142,11 @@ def request(
         raise Refused(f"the job answered something that is not an object: {raw[:80]!r}")
     if reply.get("ok") is not True:
         error = str(reply.get("error") or "refused")
-        raise (Denied if reply.get("kind") == "denied" else Refused)(error)
+        raise _KINDS.get(str(reply.get("kind")), Refused)(error)
     return reply
+
+
+_KINDS: dict[str, type[CtlError]] = {"denied": Denied, "timeout": NoAnswer, "gone": Gone}
 
 
 def _connect_unix(run_dir: str | os.PathLike[str] | None, timeout: float) -> socket.socket:

@@ -4,9 +4,10 @@
     {"command": "stop", "reason": "x"}\\n -->  bounded read (MAX_REQUEST), checked, answered
     <-- {"ok": true, "command": "stop", ...}\\n   then the connection closes
 
-Over TCP a request also carries `"token"`. A refusal is `{"ok": false, "kind": KIND,
-"error": "..."}` with KIND one of `bad_request`, `denied`, `refused`. The exit codes of
-`eventbus ctl` live here too, so the client library and the command agree.
+Over TCP a request also carries `"token"`; a save may carry `"wait": SECONDS`, and is answered
+once the checkpoint is saved. A refusal is `{"ok": false, "kind": KIND, "error": "..."}` with
+KIND one of `bad_request`, `denied`, `refused`, and for a wait `timeout` or `gone`. The exit
+codes of `eventbus ctl` live here too, so the client library and the command agree.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ __all__ = [
     "MAX_REASON",
     "MAX_REPLY",
     "MAX_REQUEST",
+    "MAX_WAIT",
     "SOCKET_NAME",
     "TOKEN_NAME",
     "BadRequest",
@@ -37,6 +39,7 @@ COMMANDS = ("status", "stop", "abort", "save", "ping")
 MAX_REQUEST = 4096  # bytes of one request line, newline included: more is refused
 MAX_REASON = 1000  # characters of a reason
 MAX_REPLY = 4 << 20  # bytes a client reads of one reply (a status with many subscribers)
+MAX_WAIT = 86_400.0  # seconds a `save --wait` may hold its connection open
 
 
 class Exit(enum.IntEnum):
@@ -49,7 +52,8 @@ class Exit(enum.IntEnum):
     STALE = 4  # a socket left by a job that is gone: nothing listens on it
     DENIED = 5  # another user's job, or a missing or wrong token
     REFUSED = 6  # the job answered no: a command it does not allow, a run that has ended
-    NO_ANSWER = 7  # connected, but no answer within --timeout
+    NO_ANSWER = 7  # connected, but no answer within --timeout (save --wait: no save in time)
+    GONE = 8  # save --wait: the run ended, or the job went away, before the save was done
 
 
 class BadRequest(ValueError):
@@ -62,6 +66,7 @@ class Request(NamedTuple):
     command: str
     reason: str | None
     token: str | None
+    wait: float | None = None  # save: answer once the checkpoint is saved, within this many s
 
 
 def encode(obj: dict[str, Any]) -> bytes:
@@ -82,14 +87,21 @@ def parse_request(line: bytes) -> Request:
         raise BadRequest("not JSON: send one JSON object per line") from None
     if not isinstance(obj, dict):
         raise BadRequest(f"expected a JSON object, got {type(obj).__name__}")
-    unknown = sorted(set(obj) - {"command", "reason", "token"})
+    unknown = sorted(set(obj) - {"command", "reason", "token", "wait"})
     if unknown:
         raise BadRequest(f"unknown keys: {', '.join(unknown)[:100]}")
     command, reason, token = obj.get("command"), obj.get("reason"), obj.get("token")
+    wait = obj.get("wait")
     if command not in COMMANDS:
         raise BadRequest(f"command must be one of {', '.join(COMMANDS)}; got {command!r:.40}")
     if reason is not None and (not isinstance(reason, str) or len(reason) > MAX_REASON):
         raise BadRequest(f"reason must be a string of at most {MAX_REASON} characters")
     if token is not None and not isinstance(token, str):
         raise BadRequest("token must be a string")
-    return Request(command, reason, token)
+    if wait is not None:
+        if command != "save":
+            raise BadRequest("wait goes with save only")
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 < wait <= MAX_WAIT:
+            raise BadRequest(f"wait must be a number of seconds in (0, {MAX_WAIT}]")
+        wait = float(wait)
+    return Request(command, reason, token, wait)

@@ -4,7 +4,8 @@ has it answered, writes the reply and closes; nothing a client sends can stop it
 Every socket is non-blocking under one selector, so a client that connects and says nothing,
 sends half a line, never reads its reply or floods bytes costs one slot until its deadline
 (`timeout`), never the thread. At most `max_connections` are open; a newcomer evicts the
-oldest. A request longer than `MAX_REQUEST` bytes is refused as soon as that is clear.
+oldest. A request longer than `MAX_REQUEST` bytes is refused as soon as that is clear. A
+reply may come `Later` (`save --wait`): the connection then waits for it, up to its own time.
 """
 
 from __future__ import annotations
@@ -20,16 +21,35 @@ from typing import Any
 from eventbus.ctl.protocol import MAX_REQUEST, encode, refusal
 from eventbus.log import RateLimiter, get_logger
 
-__all__ = ["ConnectionLoop"]
+__all__ = ["ConnectionLoop", "Later"]
 
-Answer = Callable[[bytes, bool], dict[str, Any]]  # (request line, came over TCP) -> reply
+
+class Later:
+    """A reply given later, from any thread (`save --wait`): the connection stays open until
+    `give(reply)`, or until `seconds` pass and `timed_out` is the reply."""
+
+    def __init__(self, seconds: float, timed_out: dict[str, Any]) -> None:
+        self.seconds = seconds
+        self.timed_out = timed_out
+        self.reply: dict[str, Any] | None = None
+        self.abandoned = False  # the client hung up: nobody to give it to
+        self.wake: Callable[[], None] = lambda: None  # set by the loop that holds it
+
+    def give(self, reply: dict[str, Any]) -> None:
+        """The reply (the first one given counts)."""
+        if self.reply is None:
+            self.reply = reply
+            self.wake()
+
+
+Answer = Callable[[bytes, bool], "dict[str, Any] | Later"]  # (line, came over TCP) -> reply
 PeerCheck = Callable[[socket.socket], str | None]  # a Unix peer -> why it is refused, or None
 
 _log = RateLimiter(10.0)
 
 
 class _Conn:
-    __slots__ = ("buf", "deadline", "denied", "out", "sock", "tcp")
+    __slots__ = ("buf", "deadline", "denied", "later", "out", "sock", "tcp")
 
     def __init__(self, sock: socket.socket, tcp: bool, deadline: float) -> None:
         self.sock = sock
@@ -38,6 +58,7 @@ class _Conn:
         self.buf = bytearray()
         self.out: bytes | None = None  # the reply, once there is one
         self.denied: str | None = None  # the peer may not ask anything: why
+        self.later: Later | None = None  # answered, the reply to come
 
 
 class ConnectionLoop:
@@ -75,12 +96,14 @@ class ConnectionLoop:
         self._thread.start()
 
     def close(self, timeout: float = 2.0) -> None:
-        """Stop the thread, close every connection and listener (idempotent)."""
+        """Stop the thread, close every connection and listener (idempotent); replies given
+        by then (`Later`) are sent first, each within `timeout`."""
         self._closing = True
-        with contextlib.suppress(OSError):
-            self._wake_w.send(b"x")
+        self._wake()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        for c in list(self._conns.values()):  # the thread is done with them: ours now
+            self._last_words(c, timeout)
         for sock in [*self._conns, *self.listeners, self._wake_r, self._wake_w]:
             with contextlib.suppress(OSError):
                 sock.close()
@@ -104,6 +127,20 @@ class ConnectionLoop:
         """Whether the thread serves."""
         return self._thread.is_alive()
 
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+
+    def _last_words(self, c: _Conn, timeout: float) -> None:
+        """At close: send a reply that is ready, blocking at most `timeout`."""
+        if c.out is None and c.later is not None and c.later.reply is not None:
+            c.out = encode(c.later.reply)
+        if c.out:
+            with contextlib.suppress(OSError):
+                c.sock.settimeout(timeout)
+                c.sock.sendall(c.out)
+                self.served += 1
+
     # -- the thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -121,14 +158,23 @@ class ConnectionLoop:
             sock = key.fileobj
             assert isinstance(sock, socket.socket)
             if sock is self._wake_r:
-                return
-            if sock in self.listeners:
+                with contextlib.suppress(OSError):
+                    self._wake_r.recv(4096)
+                if self._closing:
+                    return
+            elif sock in self.listeners:
                 self._accept(sock, self.listeners[sock])
             elif sock in self._conns:
                 self._serve(self._conns[sock])
         now = time.monotonic()
-        for c in [c for c in self._conns.values() if c.deadline <= now]:
-            self._drop(c)  # silent too long, or never read its reply
+        for c in list(self._conns.values()):
+            if c.later is not None and c.out is None:
+                if c.later.reply is not None:
+                    self._reply(c, c.later.reply)  # given meanwhile, on another thread
+                elif c.deadline <= now:
+                    self._reply(c, c.later.timed_out)
+            elif c.deadline <= now:
+                self._drop(c)  # silent too long, or never read its reply
 
     def _accept(self, listener: socket.socket, tcp: bool) -> None:
         try:
@@ -147,6 +193,17 @@ class ConnectionLoop:
     def _serve(self, c: _Conn) -> None:
         if c.out is not None:
             self._write(c)
+            return
+        if c.later is not None:  # waiting for its reply: more bytes are ignored, a hang-up ends it
+            try:
+                data = c.sock.recv(MAX_REQUEST)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                data = b""
+            if not data:
+                c.later.abandoned = True
+                self._drop(c)
             return
         try:
             data = c.sock.recv(MAX_REQUEST)
@@ -178,6 +235,13 @@ class ConnectionLoop:
         except Exception as e:  # our own bug: the client hears of it, the thread goes on
             self._complain("control command failed", e)
             reply = refusal("refused", f"the job failed to answer: {type(e).__name__}: {e}")
+        if isinstance(reply, Later):
+            c.later, c.buf = reply, bytearray()
+            c.deadline = time.monotonic() + reply.seconds
+            reply.wake = self._wake
+            if reply.reply is None:
+                return  # the loop looks again when woken, or at the deadline
+            reply = reply.reply
         self._reply(c, reply)
 
     def _reply(self, c: _Conn, reply: dict[str, Any]) -> None:
@@ -208,6 +272,8 @@ class ConnectionLoop:
         self._close(c)
 
     def _close(self, c: _Conn) -> None:
+        if c.later is not None:
+            c.later.abandoned = True  # its reply (if any) went out, or never will
         self._conns.pop(c.sock, None)
         with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(c.sock)

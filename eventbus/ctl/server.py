@@ -7,9 +7,9 @@
          status: RunView (kept from events on the bus loop) + bus.stats()
 
 Opt-in: nothing listens unless the user subscribes one (rank 0 only, its `ranks`). The
-training thread runs none of it: requests are served on the server's own thread, the events
-it keeps are the newest few (`latest` policy) handled on the bus loop. Stop and save reach
-every rank through the agreed stop (`eventbus.agreement`).
+training thread runs none of it: requests are served on the server's own thread, the few
+event types it reads are handled on the bus loop. Stop and save reach every rank through the
+agreed stop (`eventbus.agreement`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import contextlib
 import hmac
 import os
 import socket
+import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, ClassVar
@@ -34,9 +36,17 @@ from eventbus.ctl.listen import (
 )
 from eventbus.ctl.protocol import COMMANDS, SOCKET_NAME, TOKEN_NAME, parse_request, refusal
 from eventbus.ctl.protocol import BadRequest as _BadRequest
-from eventbus.ctl.serve import ConnectionLoop
+from eventbus.ctl.serve import ConnectionLoop, Later
 from eventbus.ctl.view import RunView
-from eventbus.events import CheckpointSaved, Event, Loss, RunEnded, RunStarted, StepEnded
+from eventbus.events import (
+    CheckpointSaved,
+    Event,
+    Loss,
+    RunEnded,
+    RunStarted,
+    SaveRequested,
+    StepEnded,
+)
 from eventbus.log import get_logger
 from eventbus.version import __version__
 
@@ -61,8 +71,12 @@ class ControlServer:
         Loss,
         CheckpointSaved,
     )
-    policy: ClassVar[str] = "latest"  # status needs only the newest of each
-    maxsize: ClassVar[int] = 16
+    # Every checkpoint, in order (`save --wait` answers with the first after its request; a
+    # `latest` queue would keep only the newer of two saved within one drain). The view's
+    # work per event is a few attribute sets on the bus loop; under overload the oldest go,
+    # counted.
+    policy: ClassVar[str] = "drop_oldest"
+    maxsize: ClassVar[int] = 1024
     ranks: ClassVar[tuple[int, ...]] = (0,)
     placement: ClassVar[str] = "thread"  # it needs this process's bus.control
     name: ClassVar[str] = "ctl"
@@ -98,6 +112,8 @@ class ControlServer:
         self._bus: BusHandle | None = None
         self._loop: ConnectionLoop | None = None
         self._inode: tuple[int, int] | None = None  # the socket file we made, to remove only it
+        self._waiting = threading.Lock()
+        self._waiters: list[tuple[int, Later, dict[str, Any]]] = []  # save --wait: (ticket, ...)
 
     # -- the subscriber's hooks --------------------------------------------------------------
 
@@ -136,11 +152,16 @@ class ControlServer:
         get_logger().info("eventbus ctl listening", socket=str(self.socket_path), tcp=self.address)
 
     async def on_events(self, batch: list[Event]) -> None:
-        """Keep the newest step, loss and checkpoint (on the bus loop: a few attribute sets)."""
+        """Keep the newest step, loss and checkpoint (on the bus loop: a few attribute sets);
+        answer the `save --wait` a checkpoint (or the run's end) settles."""
         self.view.update(batch)
+        if self._waiters:
+            self._settle()
 
     def on_close(self) -> None:
-        """Stop serving; remove the socket and token files this server made."""
+        """Stop serving (a waiting `save --wait` hears why); remove the socket and token files
+        this server made."""
+        self._settle(closing=True)
         if self._loop is not None:
             self._loop.close()
         self._remove_files()
@@ -150,6 +171,7 @@ class ControlServer:
             self._loop.forget()  # a DataLoader worker: the parent keeps serving
             self._loop = None
         self._inode = None  # never remove the parent's files
+        self._waiters = []  # the parent's clients: never answered from here
         self.token_path = None
 
     def _remove_files(self) -> None:
@@ -171,7 +193,7 @@ class ControlServer:
             return None
         return f"permission denied: uid {cred[1]} is not the job's user (uid {os.getuid()})"
 
-    def _answer(self, line: bytes, tcp: bool) -> dict[str, Any]:
+    def _answer(self, line: bytes, tcp: bool) -> dict[str, Any] | Later:
         try:
             req = parse_request(line)
         except _BadRequest as e:
@@ -188,7 +210,7 @@ class ControlServer:
             return self._ping()
         if req.command == "status":
             return self._status()
-        return self._request(req.command, req.reason)
+        return self._request(req.command, req.reason, req.wait)
 
     def _ping(self) -> dict[str, Any]:
         bus = self._bus
@@ -218,7 +240,38 @@ class ControlServer:
             out["stats"] = st.as_dict()
         return out
 
-    def _request(self, command: str, reason: str | None) -> dict[str, Any]:
+    def _wait_saved(self, out: dict[str, Any], ticket: int | None, wait: float) -> Later:
+        """`save --wait`: answered with the first CheckpointSaved after the request's
+        SaveRequested (`ticket`, its seq), or `gone` if the run ends first."""
+        at = f"the save asked at step {out['step']}"
+        later = Later(wait, refusal("timeout", f"no checkpoint within {wait:g} s of {at}"))
+        if ticket is None:  # cannot happen: request_save always leaves its event
+            later.give(refusal("refused", "this save cannot be waited for"))
+            return later
+        with self._waiting:
+            self._waiters.append((ticket, later, out))
+        self._settle()  # already saved, or already over
+        return later
+
+    def _settle(self, closing: bool = False) -> None:
+        """Answer the waiters whose checkpoint came, or whose run ended (or whose job closes)."""
+        view = self.view
+        with self._waiting:
+            left = []
+            for ticket, later, out in self._waiters:
+                saved = view.checkpoint_after(ticket)
+                if saved is not None:
+                    later.give(out | {"saved": saved})
+                elif view.ended is not None or closing:
+                    why = f"the run ended ({view.ended})" if view.ended else "the job closed"
+                    later.give(refusal("gone", f"{why} before the save was done"))
+                if later.reply is None and not later.abandoned:
+                    left.append((ticket, later, out))
+            self._waiters = left
+
+    def _request(
+        self, command: str, reason: str | None, wait: float | None
+    ) -> dict[str, Any] | Later:
         if self._bus is None:
             return refusal("refused", "the job is not running yet")
         ended = self.view.ended
@@ -228,10 +281,21 @@ class ControlServer:
         reason = reason or f"{command} requested through eventbus ctl"
         if command == "save":
             new = ctl.request_save(reason, source=SOURCE, step=step)
+            out = {"ok": True, "command": command, "step": step, "already": not new}
+            return out if wait is None else self._wait_saved(out, _ticket(ctl.save_event), wait)
+        new = not (ctl.abort_requested if command == "abort" else ctl.stop_requested)
+        if command == "abort":
+            ctl.request_abort(reason, source=SOURCE, step=step)
         else:
-            new = not (ctl.abort_requested if command == "abort" else ctl.stop_requested)
-            if command == "abort":
-                ctl.request_abort(reason, source=SOURCE, step=step)
-            else:
-                ctl.request_stop(reason, source=SOURCE, step=step)
+            ctl.request_stop(reason, source=SOURCE, step=step)
         return {"ok": True, "command": command, "step": step, "already": not new}
+
+
+def _ticket(ev: SaveRequested | None) -> int | None:
+    """The seq of the SaveRequested a save request rides on: the first CheckpointSaved with a
+    higher seq answers it (`eventbus ctl save --wait`). Another thread may be stamping it
+    right now (between its request and its publish): a bounded wait of microseconds."""
+    deadline = time.monotonic() + 1.0
+    while ev is not None and ev.seq is None and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    return None if ev is None else ev.seq

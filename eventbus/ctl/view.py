@@ -15,7 +15,9 @@ from typing import Any
 
 from eventbus.events import CheckpointSaved, Event, Loss, RunEnded, RunStarted
 
-__all__ = ["RunView"]
+__all__ = ["CHECKPOINTS", "RunView"]
+
+CHECKPOINTS = 16  # the newest CheckpointSaved kept, for `save --wait`
 
 
 class RunView:
@@ -30,7 +32,7 @@ class RunView:
         self._started_ns: int | None = None
         self._last_ns: int | None = None  # publish time of the newest event with a step
         self._ended: str | None = None
-        self._checkpoint: dict[str, Any] | None = None
+        self._checkpoints: deque[dict[str, Any]] = deque(maxlen=CHECKPOINTS)  # newest last
         self._rate: deque[tuple[int, int]] = deque(maxlen=4096)  # (ts ns, step)
 
     def update(self, batch: list[Event]) -> None:
@@ -58,7 +60,7 @@ class RunView:
             self._ended = ev.status
             return
         if isinstance(ev, CheckpointSaved):
-            self._checkpoint = {"step": ev.step, "path": ev.path}
+            self._checkpoints.append({"step": ev.step, "path": ev.path, "seq": ev.seq})
         elif isinstance(ev, Loss) and ev.split == "train":
             self._loss = _number(ev.value)
         step = ev.step
@@ -84,8 +86,8 @@ class RunView:
             rate = self._steps_per_s()
             step, total = self._step, self._total
             eta = None
-            if rate and total is not None and step is not None:
-                eta = max(0.0, (total - step) / rate)
+            if rate and total is not None and step is not None and self._ended is None:
+                eta = max(0.0, (total - step) / rate)  # an ended run has none, however far
             return {
                 "step": step,
                 "total_steps": total,
@@ -95,8 +97,13 @@ class RunView:
                 "elapsed_s": _seconds(now - self._started_ns) if self._started_ns else None,
                 "last_step_s_ago": _seconds(now - self._last_ns) if self._last_ns else None,
                 "run": "running" if self._ended is None else self._ended,
-                "last_checkpoint": self._checkpoint,
+                "last_checkpoint": self._checkpoints[-1] if self._checkpoints else None,
             }
+
+    def checkpoint_after(self, seq: int) -> dict[str, Any] | None:
+        """The first checkpoint published after the event `seq` (of those kept), or None."""
+        with self._lock:
+            return next((dict(c) for c in self._checkpoints if c["seq"] > seq), None)
 
     def _steps_per_s(self) -> float | None:
         if len(self._rate) < 2:

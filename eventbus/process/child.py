@@ -65,8 +65,9 @@ class SidecarHandle:
         self.dropped = 0  # published beyond HELD before the parent took them: a storm
         self._requests: list[StopRequested] = []
         # The one Control class: the StopRequested events it publishes are the requests the
-        # parent replays on its own control (which publishes them on the bus).
-        self.control = Control(self._request)
+        # parent replays on its own control (which publishes them on the bus). A relay: the
+        # parent's control holds a save pending until its loop's save_done(), not this one.
+        self.control = Control(self._request, relay=True)
 
     def publish(self, ev: Event) -> None:
         """Queue `ev` for the parent bus (sent within a status interval)."""

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
 
 from eventbus.cli import main
-from eventbus.ctl import Exit
-from eventbus.events import Loss, RunStarted, StepEnded
+from eventbus.ctl import Exit, request
+from eventbus.events import CheckpointSaved, Loss, RunStarted, SaveRequested, StepEnded
 from tests.cli.conftest import one_line_error
 from tests.ctl.helpers import as_nobody, reachable_dir, serving, wait
+from tests.ctl.job import Job, job
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -125,6 +128,9 @@ def test_tcp_with_a_wrong_token_is_denied_and_with_the_right_one_answers(
         (["status", "why"], ("status takes no reason",)),
         (["launch"], ("invalid choice: 'launch'",)),
         (["status", "--timeout", "0"], ("--timeout must be positive",)),
+        (["stop", "--wait"], ("--wait goes with save",)),
+        (["save", "--wait", "--timeout", "-1"], ("--timeout must be positive",)),
+        (["save", "--wait", "--timeout", "1e6"], ("--timeout with --wait: at most 86400 s",)),
         (["status", "--token-file", "t"], ("--token-file goes with --tcp",)),
         (["status", "--tcp", "localhost:http"], ("--tcp:", "numeric port")),
         (["status", "--tcp", "127.0.0.1:1"], ("cannot read the token file",)),
@@ -148,3 +154,89 @@ def test_the_installed_command_runs_it() -> None:
     )
     assert proc.returncode == 0
     assert "6 refused by the job" in proc.stdout
+
+
+# -- save --wait, against a real loop in a subprocess ----------------------------------------
+
+
+def _ctl(run_dir: Path, *args: str) -> subprocess.Popen[str]:
+    """`eventbus ctl RUN_DIR ARGS...` in a process of its own, as a user runs it."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "eventbus.cli", "ctl", str(run_dir), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
+def _done(proc: subprocess.Popen[str]) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, out.strip(), err.strip()
+
+
+def _save_waits_for_its_checkpoint(j: Job, step: int, *more: str) -> str:
+    """`save --wait` asked while the loop stands at `step`: what it prints once the loop went
+    on and saved there."""
+    client = _ctl(j.run_dir, "save", f"at {step}", "--wait", "--timeout", "60", *more)
+    j.wait_for("the request", lambda: (j.ask("status") or {}).get("save_pending") or None)
+    assert client.poll() is None  # nothing saved yet: still waiting
+    j.go(step)
+    code, out, err = _done(client)
+    assert code == 0, err
+    return out
+
+
+@pytest.mark.slow
+def test_save_twice_in_one_run_each_waits_for_its_own_checkpoint(tmp_path: Path) -> None:
+    with job(tmp_path / "run", steps=30, holds="10,20") as j:
+        j.wait_step(10)
+        first: dict[str, Any] = orjson.loads(_save_waits_for_its_checkpoint(j, 10, "--json"))
+        j.wait_step(20)  # the request cleared: a second one is a new save
+        second = _save_waits_for_its_checkpoint(j, 20)
+        j.finish()
+        evs = j.events()
+    saved = [e for e in evs if isinstance(e, CheckpointSaved)]
+    assert [e.step for e in saved] == [10, 20]
+    assert (first["step"], first["already"]) == (10, False)
+    assert first["saved"] == {"step": 10, "path": saved[0].path, "seq": saved[0].seq}
+    assert second == f"saved at step 20: {saved[1].path} (asked at step 20)"
+    assert all(Path(e.path).is_file() for e in saved)
+    asked = [e for e in evs if isinstance(e, SaveRequested)]
+    assert [(e.step, e.reason) for e in asked] == [(10, "at 10"), (20, "at 20")]
+
+
+@pytest.mark.slow
+def test_save_wait_says_when_no_save_came_in_time_and_when_the_run_ended_first(
+    tmp_path: Path,
+) -> None:
+    with job(tmp_path / "run", steps=30, holds="10,20") as j:
+        j.wait_step(10)  # held: the loop cannot save
+        code, out, err = _done(_ctl(j.run_dir, "save", "--wait", "--timeout", "1"))
+        assert code == Exit.NO_ANSWER == 7, (out, err)
+        assert "no checkpoint within 1 s of the save asked at step 10" in err
+        j.go(10)  # the request stays: the loop saves at step 10
+        j.wait_step(20)
+        client = _ctl(j.run_dir, "save", "--wait", "--timeout", "60")
+        j.wait_for("the request", lambda: (j.ask("status") or {}).get("save_pending") or None)
+        assert request(j.run_dir, "stop", "before the save")["ok"]
+        j.go(20)  # should_stop is read first: the loop stops without saving
+        code, out, err = _done(client)
+        assert code == Exit.GONE == 8, (out, err)
+        assert "the run ended (stopped) before the save was done" in err
+        j.finish()
+        evs = j.events()
+    assert [e.step for e in evs if isinstance(e, CheckpointSaved)] == [10]
+
+
+@pytest.mark.slow
+def test_save_wait_says_when_the_job_died_first(tmp_path: Path) -> None:
+    with job(tmp_path / "run", steps=30, holds="10") as j:
+        j.wait_step(10)
+        client = _ctl(j.run_dir, "save", "--wait", "--timeout", "60")
+        j.wait_for("the request", lambda: (j.ask("status") or {}).get("save_pending") or None)
+        os.killpg(j.proc.pid, signal.SIGKILL)
+        code, out, err = _done(client)
+    assert code == Exit.GONE == 8, (out, err)
+    assert "the job went away before the save was done" in err

@@ -20,6 +20,7 @@ def test_a_good_request_parses() -> None:
     line = b'{"command": "stop", "reason": "enough", "token": "t"}'
     assert parse_request(line) == Request("stop", "enough", "t")
     assert parse_request(b'{"command": "ping"}') == Request("ping", None, None)
+    assert parse_request(b'{"command": "save", "wait": 60}') == Request("save", None, None, 60.0)
 
 
 @pytest.mark.parametrize(
@@ -36,6 +37,12 @@ def test_a_good_request_parses() -> None:
         (b'{"command": "stop", "token": 1}', "token must be a string"),
         (b'{"command": "stop", "extra": 1}', "unknown keys: extra"),
         (b"[" * 5000 + b"]" * 5000, "not JSON"),  # too deep for the parser: refused, no crash
+        (b'{"command": "stop", "wait": 5}', "wait goes with save only"),
+        (b'{"command": "save", "wait": 0}', "wait must be a number of seconds"),
+        (b'{"command": "save", "wait": -1}', "wait must be a number of seconds"),
+        (b'{"command": "save", "wait": 1e9}', "wait must be a number of seconds"),
+        (b'{"command": "save", "wait": "5"}', "wait must be a number of seconds"),
+        (b'{"command": "save", "wait": true}', "wait must be a number of seconds"),
     ],
 )
 def test_bad_requests_are_named(line: bytes, what: str) -> None:
@@ -51,5 +58,5 @@ def test_replies_are_one_line_and_refusals_say_their_kind() -> None:
 
 
 def test_exit_codes_are_distinct_and_stable() -> None:
-    assert [int(e) for e in Exit] == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert [int(e) for e in Exit] == [0, 1, 2, 3, 4, 5, 6, 7, 8]
     assert (Exit.NO_JOB, Exit.STALE, Exit.DENIED, Exit.REFUSED) == (3, 4, 5, 6)

@@ -13,9 +13,9 @@ import pytest
 
 from eventbus.ctl.listen import bind_unix
 from eventbus.ctl.protocol import MAX_REQUEST
-from eventbus.ctl.serve import ConnectionLoop
+from eventbus.ctl.serve import ConnectionLoop, Later
 
-Answer = Callable[[bytes, bool], dict[str, Any]]
+Answer = Callable[[bytes, bool], "dict[str, Any] | Later"]
 
 
 class Served:
@@ -25,7 +25,7 @@ class Served:
         self.path = path
         self.lines: list[bytes] = []
 
-        def record(line: bytes, tcp: bool) -> dict[str, Any]:
+        def record(line: bytes, tcp: bool) -> dict[str, Any] | Later:
             self.lines.append(line)
             return answer(line, tcp)
 
@@ -170,3 +170,72 @@ def test_close_stops_serving(served: Callable[..., Served]) -> None:
     assert not srv.loop.alive
     with pytest.raises(ConnectionRefusedError):
         srv.connect()
+
+
+# -- replies given later (save --wait) --------------------------------------------------------
+
+
+class Waiting:
+    """Answers every request `Later`, keeping each for the test to give."""
+
+    def __init__(self, seconds: float = 60.0) -> None:
+        self.seconds = seconds
+        self.later: list[Later] = []
+
+    def __call__(self, line: bytes, tcp: bool) -> Later:
+        self.later.append(Later(self.seconds, {"ok": False, "kind": "timeout", "error": "late"}))
+        return self.later[-1]
+
+    def asked(self, n: int) -> list[Later]:
+        deadline = time.monotonic() + 10
+        while len(self.later) < n:
+            assert time.monotonic() < deadline, "the request never reached the answer"
+            time.sleep(0.002)
+        return self.later
+
+
+def test_a_later_reply_is_sent_when_given_and_others_are_served_meanwhile(
+    served: Callable[..., Served],
+) -> None:
+    waiting = Waiting()
+    srv = served(waiting)
+    with srv.connect() as s:
+        s.sendall(b"save\n")
+        (later,) = waiting.asked(1)
+        with srv.connect() as other:  # the thread still serves: this one is answered now
+            other.sendall(b"ping\n")
+            (_, meanwhile) = waiting.asked(2)
+            meanwhile.give({"ok": True, "n": 2})
+            assert _reply(other) == {"ok": True, "n": 2}
+        later.give({"ok": True, "n": 1})
+        later.give({"ok": True, "n": "ignored: the first one counts"})
+        assert _reply(s) == {"ok": True, "n": 1}
+
+
+def test_a_later_reply_not_given_in_time_is_its_timeout(served: Callable[..., Served]) -> None:
+    srv = served(Waiting(seconds=0.2))
+    assert srv.ask(b"save\n") == {"ok": False, "kind": "timeout", "error": "late"}
+
+
+def test_a_client_that_hangs_up_abandons_its_later_reply(served: Callable[..., Served]) -> None:
+    waiting = Waiting()
+    srv = served(waiting)
+    with srv.connect() as s:
+        s.sendall(b"save\n")
+        (later,) = waiting.asked(1)
+    deadline = time.monotonic() + 10
+    while not later.abandoned:
+        assert time.monotonic() < deadline, "the hang-up was not noticed"
+        time.sleep(0.002)
+
+
+def test_close_sends_the_later_replies_given_by_then(served: Callable[..., Served]) -> None:
+    waiting = Waiting()
+    srv = served(waiting)
+    with srv.connect() as s:
+        s.sendall(b"save\n")
+        (later,) = waiting.asked(1)
+        later.wake = lambda: None  # the thread does not hear of it: close() sends it
+        later.give({"ok": False, "kind": "gone", "error": "closing"})  # as on_close does
+        srv.loop.close()
+        assert _reply(s) == {"ok": False, "kind": "gone", "error": "closing"}

@@ -12,14 +12,16 @@ import os
 import pwd
 import socket
 import stat
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
 
 from eventbus import EventBus
-from eventbus.ctl import ControlServer, Denied, Refused, read_token, request
+from eventbus.ctl import ControlServer, Denied, Gone, Refused, read_token, request
 from eventbus.ctl.protocol import MAX_REQUEST
 from eventbus.events import (
     CheckpointSaved,
@@ -49,6 +51,21 @@ def _complete(evs: list[Event], steps: int, status: str) -> None:
 def _open_dir() -> Iterator[Path]:
     with reachable_dir() as d:
         yield d
+
+
+def _in_thread(fn: Callable[[], dict[str, Any]]) -> tuple[threading.Thread, list[Any]]:
+    """Run `fn` on a thread: (the thread, [its result or the exception it raised])."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except Exception as e:
+            out.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
 
 
 def _stop(run_dir: Path) -> int:
@@ -159,8 +176,10 @@ def test_two_ranks_save_and_stop_at_the_same_step(tmp_path: Path) -> None:
         j.wait_for("the listener", lambda: j.ask("ping"), t=90)
         assert j.ask("ping")["world_size"] == 2  # type: ignore[index]
         j.wait_step(10)
-        assert request(j.run_dir, "save")["already"] is False
+        t, waited = _in_thread(lambda: request(j.run_dir, "save", wait=60))  # save --wait
+        j.wait_for("the request", lambda: (j.ask("status") or {}).get("save_pending") or None)
         j.go(10)
+        t.join(60)
         j.wait_step(20)
         assert request(j.run_dir, "stop", "two ranks")["already"] is False
         j.go(20)
@@ -181,6 +200,8 @@ def test_two_ranks_save_and_stop_at_the_same_step(tmp_path: Path) -> None:
     # Agreed with overlap (the default): seen one check after the one that carried it.
     assert saved == {0: 11, 1: 11}
     assert stopped == {0: 21, 1: 21}
+    (reply,) = waited  # answered by rank 0's checkpoint, at the agreed step
+    assert (reply["already"], reply["saved"]["step"]) == (False, 11)
 
 
 # -- who may talk to it -----------------------------------------------------------------------
@@ -281,3 +302,37 @@ def test_a_forked_child_leaves_the_parents_listener_alone(tmp_path: Path) -> Non
         os.waitpid(pid, 0)
         assert (tmp_path / "eventbus.sock").exists()
         assert request(tmp_path, "ping")["pid"] == os.getpid()
+
+
+# -- save --wait ------------------------------------------------------------------------------
+
+
+def test_save_wait_is_answered_by_the_first_checkpoint_after_the_request(tmp_path: Path) -> None:
+    with serving(tmp_path) as (bus, srv):
+        bus.publish(CheckpointSaved(step=1, path="before.pt"))  # before the request: not it
+        bus.publish(StepEnded(step=2))
+        wait("step 2", lambda: srv.view.step == 2)
+        t, out = _in_thread(lambda: request(tmp_path, "save", "now", wait=30))
+        wait("the request", lambda: bus.control.save_requested)
+        t2, out2 = _in_thread(lambda: request(tmp_path, "save", wait=30))  # coalesced into it
+        wait("the second request", lambda: len(srv._waiters) == 2)
+        assert not out and not out2  # both still waiting
+        bus.publish(CheckpointSaved(step=2, path="asked.pt"))
+        bus.control.save_done()
+        bus.publish(CheckpointSaved(step=3, path="after.pt"))
+        t.join(30)
+        t2.join(30)
+    (first,) = out
+    (second,) = out2
+    assert (first["step"], first["already"], first["saved"]["path"]) == (2, False, "asked.pt")
+    assert (second["already"], second["saved"]["path"]) == (True, "asked.pt")
+
+
+def test_save_wait_hears_when_the_job_closes_first(tmp_path: Path) -> None:
+    with serving(tmp_path) as (bus, _):
+        t, out = _in_thread(lambda: request(tmp_path, "save", wait=30))
+        wait("the request", lambda: bus.control.save_requested)
+    t.join(30)
+    (err,) = out
+    assert isinstance(err, Gone) and err.exit_code == 8
+    assert "before the save was done" in str(err)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from eventbus.ctl.view import RunView
+from eventbus.ctl.view import CHECKPOINTS, RunView
 from eventbus.events import CheckpointSaved, Loss, RunEnded, RunStarted, StepEnded
 
 S = 1_000_000_000  # ns
@@ -19,6 +19,9 @@ def test_rate_and_eta_come_from_publish_times() -> None:
     assert snap["steps_per_s"] == 4.0
     assert snap["eta_s"] == 22.5  # 90 steps left at 4 a second
     assert snap["run"] == "running"
+    v.update([RunEnded(status="stopped", step=10, ts=11 * S // 4)])
+    snap = v.snapshot()
+    assert (snap["run"], snap["eta_s"]) == ("stopped", None)  # stopped at 10/100: no ETA
 
 
 def test_a_nan_loss_is_said_and_eval_losses_are_not_the_training_loss() -> None:
@@ -49,8 +52,8 @@ def test_the_window_forgets_old_steps() -> None:
 
 def test_checkpoints_and_the_end_are_kept() -> None:
     v = RunView()
-    v.update([CheckpointSaved(step=7, path="ckpt.pt", ts=1)])
-    assert v.snapshot()["last_checkpoint"] == {"step": 7, "path": "ckpt.pt"}
+    v.update([CheckpointSaved(step=7, path="ckpt.pt", ts=1, seq=4)])
+    assert v.snapshot()["last_checkpoint"] == {"step": 7, "path": "ckpt.pt", "seq": 4}
     assert v.ended is None
     v.update([RunEnded(status="stopped", step=9, ts=2)])
     assert v.ended == "stopped" and v.snapshot()["run"] == "stopped"
@@ -62,3 +65,16 @@ def test_the_first_rate_counts_from_the_start_of_the_run() -> None:
     v.update([Loss(step=30, value=1.0, ts=5 * S)])  # one batch of steps: 10 in 5 s
     snap = v.snapshot()
     assert snap["steps_per_s"] == 2.0 and snap["eta_s"] == 10.0
+
+
+def test_the_checkpoint_after_an_event_is_the_first_published_after_it() -> None:
+    v = RunView()
+    v.update([CheckpointSaved(step=5, path="a", seq=10), CheckpointSaved(step=5, path="b", seq=12)])
+    v.update([CheckpointSaved(step=9, path="c", seq=20)])
+    assert v.checkpoint_after(9) == {"step": 5, "path": "a", "seq": 10}
+    assert v.checkpoint_after(10) == {"step": 5, "path": "b", "seq": 12}
+    assert v.checkpoint_after(15) == {"step": 9, "path": "c", "seq": 20}
+    assert v.checkpoint_after(20) is None
+    for k in range(CHECKPOINTS):  # only the newest are kept
+        v.update([CheckpointSaved(step=10 + k, path=str(k), seq=30 + k)])
+    assert v.checkpoint_after(0) == {"step": 10, "path": "0", "seq": 30}

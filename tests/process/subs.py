@@ -277,3 +277,57 @@ class Burner:
             end = time.thread_time() + self.ms / 1e3
             while time.thread_time() < end:
                 pass
+
+
+class SaveAsker:
+    """Asks for a checkpoint (`bus.control.request_save`) at each step in `at`, and publishes
+    what each request returned, so a test in the parent sees it."""
+
+    events = (Loss,)
+    policy = "block"
+
+    def __init__(self, at: tuple[int, ...]) -> None:
+        self.at = at
+        self.bus: Any = None
+
+    def on_start(self, bus: BusHandle) -> None:
+        self.bus = bus
+
+    def on_events(self, batch: list[Event]) -> None:
+        for ev in batch:
+            if ev.step in self.at:
+                asked = self.bus.control.request_save(f"step {ev.step}", step=ev.step)
+                self.bus.publish(Scalars(step=ev.step, values={"asked": float(asked)}))
+
+
+class SlowStartNoFlush:
+    """Its `on_start` waits (polling, bounded) for the file `gate`; it writes what happens, in
+    order, to `log`: start, started, each step it receives."""
+
+    events = (Loss,)
+    policy = "block"
+
+    def __init__(self, gate: str, log: str) -> None:
+        self.gate, self.log = gate, log
+
+    def _say(self, what: str) -> None:
+        with open(self.log, "a") as f:
+            f.write(what + "\n")
+
+    def on_start(self, bus: BusHandle) -> None:
+        self._say("start")
+        deadline = time.monotonic() + 60
+        while not os.path.exists(self.gate) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        self._say("started")
+
+    def on_events(self, batch: list[Event]) -> None:
+        for ev in batch:
+            self._say(f"step {ev.step}")
+
+
+class SlowStart(SlowStartNoFlush):
+    """`SlowStartNoFlush` with an `on_flush`, which says "flushed"."""
+
+    def on_flush(self) -> None:
+        self._say("flushed")

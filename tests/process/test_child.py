@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from eventbus import EventBus
-from eventbus.events import Loss, Scalars, StopRequested
+from eventbus.events import CheckpointSaved, Loss, SaveRequested, Scalars, StopRequested
 from eventbus.process import ProcessSubscriber
 from eventbus.process.errors import RemoteError
 from tests.conftest import Recorder
-from tests.process.subs import Handle, Raiser, ReturnsCoroutine, exit_on_even, on_one, steps_in
+from tests.process.subs import (
+    Handle,
+    Raiser,
+    ReturnsCoroutine,
+    SaveAsker,
+    exit_on_even,
+    on_one,
+    steps_in,
+)
 
 NewBus = Callable[..., EventBus]
 BASE_EXCEPTIONS = ["SystemExit", "KeyboardInterrupt", "GeneratorExit"]
@@ -142,3 +151,43 @@ def test_child_bus_is_a_bus_handle_with_the_one_control(new_bus: NewBus) -> None
     assert bus.control.reason == "enough"
     (stop,) = [e for e in seen.got if isinstance(e, StopRequested)]  # published once, here
     assert (stop.abort, stop.step, stop.source) == (True, 3, "Handle")
+
+
+def _until(what: str, cond: Callable[[], bool], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.002)
+
+
+@pytest.mark.parametrize("placement", ["thread", "process"])
+def test_a_subscriber_can_ask_for_a_save_again_once_the_loop_saved(
+    new_bus: NewBus, tmp_path: Path, placement: str
+) -> None:
+    bus = new_bus()
+    seen = Recorder(events=[SaveRequested, CheckpointSaved, Scalars])
+    bus.subscribe(seen)
+    bus.subscribe(SaveAsker(at=(2, 5, 6)), placement=placement, max_batch=1)
+    saved = []
+    with bus:
+        for step in range(1, 9):
+            bus.publish(Loss(step=step, value=1.0))
+            if step in (2, 5):  # asked on this step: the loop sees it within a few drains
+                _until(f"the save asked at step {step}", lambda: bus.control.save_requested)
+            if bus.control.save_requested:
+                bus.publish(CheckpointSaved(step=step, path=str(tmp_path / f"{step}.pt")))
+                bus.control.save_done()
+                assert not bus.control.save_requested  # the request cleared at once
+                saved.append(step)
+            if step == 6:  # asked again while nothing was pending: seen too
+                _until("the save asked at step 6", lambda: bus.control.save_requested)
+                bus.control.save_done()
+                saved.append(step)
+        assert bus.flush(timeout=30)
+    assert saved == [2, 5, 6]
+    asks = [e for e in seen.got if isinstance(e, SaveRequested)]
+    assert [e.step for e in asks] == [2, 5, 6]  # every request reached the parent's bus
+    if placement == "process":  # the sidecar names the subscriber that asked
+        assert {e.source for e in asks} == {"SaveAsker"}
+    answers = [e.values["asked"] for e in seen.got if isinstance(e, Scalars)]
+    assert answers == [1.0, 1.0, 1.0]  # and each one said it asked

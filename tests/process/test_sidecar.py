@@ -24,6 +24,8 @@ from tests.process.subs import (
     Burner,
     DieOnce,
     Gate,
+    SlowStart,
+    SlowStartNoFlush,
     Storm,
     Tally,
     WhereAmI,
@@ -318,3 +320,37 @@ def test_cpu_of_a_sidecar_subscriber_is_its_own_and_not_the_bus_threads(new_bus:
     assert st["burner"].cpu_s >= 100 * 0.002 * 0.9
     assert st.cost is not None
     assert st.cost.bus_cpu_s < st["burner"].cpu_s / 2
+
+
+@pytest.mark.parametrize("placement", ["thread", "process"])
+@pytest.mark.parametrize("publish", [True, False], ids=["an event", "nothing"])
+@pytest.mark.parametrize("hook", [True, False], ids=["on_flush", "no on_flush"])
+def test_flush_waits_for_a_slow_on_start(
+    new_bus: NewBus, tmp_path: Path, placement: str, publish: bool, hook: bool
+) -> None:
+    gate, log = tmp_path / "gate", tmp_path / "log"
+    bus = new_bus()
+    with bus:
+        sub = (SlowStart if hook else SlowStartNoFlush)(str(gate), str(log))
+        bus.subscribe(sub, placement=placement)
+        if publish:
+            bus.publish(Loss(step=1, value=1.0))
+        flushed: list[bool] = []
+        t = threading.Thread(target=lambda: flushed.append(bus.flush(timeout=60)))
+        t.start()
+        deadline = time.monotonic() + 30
+        while not (log.exists() and log.read_text()):  # on_start is running, held at the gate
+            assert time.monotonic() < deadline, "on_start never ran"
+            time.sleep(0.005)
+        done_early = not t.is_alive()  # the flush must be waiting for on_start
+        gate.touch()
+        t.join(60)
+        assert flushed == [True]
+        said = log.read_text().split("\n")[:-1]
+    assert not done_early, said
+    assert said == [
+        "start",
+        "started",
+        *(["step 1"] if publish else []),
+        *(["flushed"] if hook else []),
+    ]
