@@ -6,8 +6,8 @@
                         ("status", bytes, stats, events, requests, own stats, log records),
                         ("reply", request, error, value)
 
-Each event travels as (type name, field values); each type's field names travel once per
-batch. Pickle of plain tuples is ~2.5x cheaper than JSON lines to write and ~5x to read
+Each event travels as its field values; each type's name and field names travel once per
+batch, its events' values as one column, and the order of the types beside them. Pickle of plain tuples is ~2.5x cheaper than JSON lines to write and ~5x to read
 (measured: 3.9 vs 10.6 us and 2.6 vs 12 us per event), and the sidecar needs no class to be
 importable: a type it does not know arrives as `UnknownEvent`.
 """
@@ -21,6 +21,9 @@ import operator
 import pickle
 import sys
 from collections.abc import Callable, Sequence
+from functools import partial
+from itertools import compress
+from operator import call, is_
 from typing import Any, Literal, TypedDict
 
 from eventbus.events import Event, UnknownEvent, event_type
@@ -122,23 +125,25 @@ def _getter(cls: type[Event]) -> tuple[tuple[str, ...], Callable[[Event], Any]]:
 
 
 def pack(batch: Sequence[Event]) -> bytes:
-    """Events as bytes for the other side (`unpack`): each type's names once, then rows of
-    (type index, field values)."""
-    index: dict[type, int] = {}
-    schema: list[tuple[str, str, tuple[str, ...]]] = []
-    getters: list[Callable[[Event], Any]] = []
-    rows: list[tuple[int, Any]] = []
-    append = rows.append
-    for ev in batch:
-        cls = type(ev)
-        i = index.get(cls)
-        if i is None:
-            names, get = _getter(cls)
-            i = index[cls] = len(schema)
-            schema.append((cls.__module__, cls.__name__, names))
-            getters.append(get)
-        append((i, getters[i](ev)))
-    return dumps((schema, rows))
+    """Events as bytes for the other side (`unpack`): each type's field names once, its
+    events' values as one column of tuples, and the order of the types (None: one type).
+
+    Each pass is a `map` of C callables, with no bytecode per event (but a one-field type's
+    getter): on the training process's bus thread, most of what an event for the sidecar
+    costs. About a third less than a loop building (type index, values) rows."""
+    types = list(map(type, batch))
+    kinds = list(dict.fromkeys(types))  # in first-seen order
+    schema, cols = [], []
+    for cls in kinds:
+        names, get = _getter(cls)
+        schema.append((cls.__module__, cls.__name__, names))
+        mine = batch if len(kinds) == 1 else compress(batch, map(partial(is_, cls), types))
+        cols.append(list(map(get, mine)))
+    if len(kinds) == 1:
+        return dumps((schema, None, cols))
+    index = {cls: i for i, cls in enumerate(kinds)}
+    order = map(index.__getitem__, types)
+    return dumps((schema, bytes(order) if len(kinds) < 256 else list(order), cols))
 
 
 def pack_each(batch: list[Event]) -> tuple[bytes, list[tuple[Event, Exception]]]:
@@ -164,7 +169,7 @@ _MAKERS: dict[tuple[str, str, tuple[str, ...]], Callable[[tuple[Any, ...]], Even
 
 def unpack(data: bytes) -> list[Event]:
     """The events `pack` wrote; a type not known here becomes `UnknownEvent`."""
-    schema, rows = pickle.loads(data)
+    schema, order, cols = pickle.loads(data)
     makers = []
     for module, tname, names in schema:
         key = (module, tname, names)
@@ -174,7 +179,11 @@ def unpack(data: bytes) -> list[Event]:
             if make.__name__ != "unknown":  # a type not known yet may be registered later
                 _MAKERS[key] = make
         makers.append(make)
-    return [makers[i](values) for i, values in rows]
+    made = [list(map(make, col)) for make, col in zip(makers, cols, strict=True)]
+    if order is None:
+        return made[0]
+    nexts = [iter(m).__next__ for m in made]
+    return list(map(call, map(nexts.__getitem__, order)))  # each type's next, in order
 
 
 def _maker(tname: str, module: str, names: tuple[str, ...]) -> Callable[[tuple[Any, ...]], Event]:

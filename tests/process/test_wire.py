@@ -26,9 +26,38 @@ def test_pack_round_trip_keeps_types_and_unknowns() -> None:
 
 def _renamed(data: bytes, tname: str, module: str) -> bytes:
     """`data` as if its one event type were `module.tname`, a type this side may not know."""
-    schema, rows = pickle.loads(data)
+    schema, order, cols = pickle.loads(data)
     ((_, _, names),) = schema
-    return pickle.dumps(([(module, tname, names)], rows))
+    return pickle.dumps(([(module, tname, names)], order, cols))
+
+
+def test_a_mixed_batch_keeps_its_order_and_each_events_values() -> None:
+    """Each type travels as one column; the order of the types puts them back."""
+    evs: list[Event] = []
+    for i in range(600):  # runs of one type, alternations, and a type seen once
+        if i % 7 == 0:
+            evs.append(Scalars(step=i, values={"i": float(i)}))
+        elif i % 3 == 0 or 200 <= i < 260:
+            evs.append(Loss(step=i, value=i / 10, split="eval" if i % 2 else "train"))
+        else:
+            evs.append(Loss(step=i, value=-1.0))
+    evs.append(UnknownEvent(type_name="Mine", data={"x": 1}, step=600))
+    out = wire.unpack(wire.pack(evs))
+    assert [type(e) for e in out] == [type(e) for e in evs]
+    assert out == evs  # every field, in order
+
+
+def test_a_batch_of_more_than_255_types_still_round_trips() -> None:
+    """Up to 255 types the order is bytes; beyond, a list."""
+    import dataclasses
+
+    kinds = [
+        dataclasses.make_dataclass(f"K{i}", [("x", int, 0)], bases=(Event,), kw_only=True)
+        for i in range(300)
+    ]
+    evs = [k(x=i, step=i) for i, k in enumerate(kinds)]
+    out = wire.unpack(wire.pack(evs))
+    assert [(type(e).__name__, e.x) for e in out] == [(type(e).__name__, e.x) for e in evs]
 
 
 def test_a_type_not_known_here_arrives_as_unknown_event() -> None:
