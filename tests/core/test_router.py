@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from collections import deque
+from typing import Any
+
+import pytest
+
 from eventbus import Event, EventBus
+from eventbus.core import router as router_module
 from eventbus.events import Loss, Scalars, StepEnded
 from tests.conftest import Recorder
+from tests.core.helpers import identity
 
 
 def test_routes_by_type_and_base_class_and_attaches_in_order() -> None:
@@ -94,3 +101,77 @@ def test_a_drop_before_the_loop_attached_a_subscriber_is_still_its() -> None:
         bus.publish(Loss(step=3, value=0.0))
     st = bus.stats()["late"]
     assert (st.published, st.delivered, st.dropped) == (3, 1, 2)
+
+
+# -- a run of plain events, routed at once ---------------------------------------------------
+
+
+def _mixed(n: int) -> list[Event]:
+    return [
+        Loss(step=i, value=float(i)) if i % 3 else Scalars(step=i, values={"i": float(i)})
+        for i in range(n)
+    ]
+
+
+def test_a_run_reaches_each_subscriber_its_share_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """500 events waiting at once (the loop asleep: a long drain interval) are one run,
+    routed without a per-event loop: each subscriber gets exactly the types it takes, in
+    order, counted once."""
+    runs: list[tuple[int, bool]] = []
+    real = router_module.Router._route_run
+
+    def spy(self: router_module.Router, items: deque[Any], n: int) -> bool:
+        done = real(self, items, n)
+        runs.append((n, done))
+        return done
+
+    monkeypatch.setattr(router_module.Router, "_route_run", spy)
+    everything, losses, scalars = Recorder(), Recorder(events=[Loss]), Recorder(events=[Scalars])
+    bus = EventBus(drain_interval=30, cost_every=None)
+    for name, sub in (("all", everything), ("losses", losses), ("scalars", scalars)):
+        bus.subscribe(sub, name=name)
+    evs = _mixed(500)
+    with bus:
+        assert bus.flush()  # the attaches are done; the loop sleeps until the close
+        for ev in evs:
+            bus.publish(ev)
+    assert (500, True) in runs  # the run path was taken
+    assert everything.got == evs
+    assert losses.got == [e for e in evs if isinstance(e, Loss)]
+    assert scalars.got == [e for e in evs if isinstance(e, Scalars)]
+    st = bus.stats()
+    assert st.subscribers["all"].published == st.subscribers["all"].delivered == 500
+    assert st.subscribers["losses"].published == len(losses.got)
+    identity(st)
+
+
+def test_a_queue_without_room_for_the_run_gets_it_one_at_a_time() -> None:
+    """A lossless subscriber with room for 8: the run falls back, and backpressure keeps
+    every event, in order, for it and for the others."""
+    small, big = Recorder(), Recorder()
+    bus = EventBus(drain_interval=0.002)
+    bus.subscribe(small, maxsize=8, name="small")
+    bus.subscribe(big, name="big")
+    evs = _mixed(300)
+    for ev in evs:
+        bus.publish(ev)
+    with bus:
+        pass
+    assert small.got == evs and big.got == evs
+    assert bus.stats().subscribers["small"].dropped == 0
+
+
+def test_a_run_with_a_flush_or_an_attach_inside_goes_one_at_a_time_in_order() -> None:
+    first, later = Recorder(), Recorder()
+    bus = EventBus(drain_interval=0.002)
+    bus.subscribe(first)
+    evs = _mixed(200)
+    for ev in evs[:100]:
+        bus.publish(ev)
+    bus.subscribe(later)  # an Attach in the middle of what the first drain takes
+    for ev in evs[100:]:
+        bus.publish(ev)
+    with bus:
+        pass
+    assert first.got == evs
+    assert later.got == evs[100:]
