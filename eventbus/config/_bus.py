@@ -53,6 +53,7 @@ RULES: dict[str, _Rule] = {
     "cost_every": _Rule(
         "an int >= 1 (JSON null: no cost report)", lambda v: v is None or _int_from(1)(v)
     ),
+    "strict": _Rule("true or false", lambda v: type(v) is bool),
 }
 
 
