@@ -13,7 +13,7 @@ from eventbus._capture_pools import EVENTS, POOL
 from eventbus._capture_ring import RingSlot
 from eventbus.log import RateLimiter, get_logger
 
-__all__ = ["CAPTURED", "Fence", "Part", "Pending", "Shared", "log_failure"]
+__all__ = ["CAPTURED", "DeviceSpan", "Fence", "Part", "Pending", "Shared", "log_failure"]
 
 _failures = RateLimiter(10.0)
 
@@ -137,5 +137,30 @@ class Part:
         return [self.kind(x) for x in h[self.start : self.stop]]
 
 
-CAPTURED = (Pending, Part, RingSlot)
-"""The types a captured field value has until it is resolved (a `RingSlot`: a CUDA scalar)."""
+class DeviceSpan:
+    """The device time between two CUDA events a phase recorded on its stream
+    (`bus.phase(..., device_time=True)`): seconds, read on the bus thread once the second
+    event completed. Neither the recording nor the reading waits for the device."""
+
+    __slots__ = ("end", "start")
+
+    def __init__(self, start: Any, end: Any) -> None:
+        self.start, self.end = start, end
+
+    def ready(self) -> bool:
+        try:
+            return self.end is None or bool(self.end.query())  # cudaEventQuery: never waits
+        except Exception as e:  # a CUDA error: the field becomes None, logged
+            self.end = None
+            log_failure("polling a phase's CUDA event failed", e)
+            return True
+
+    def value(self) -> float | None:
+        if self.end is None:
+            return None
+        return float(self.start.elapsed_time(self.end)) / 1000.0  # both done: no wait; ms
+
+
+CAPTURED = (Pending, Part, RingSlot, DeviceSpan)
+"""The types a captured field value has until it is resolved (a `RingSlot`: a CUDA scalar;
+a `DeviceSpan`: a phase's device time)."""

@@ -166,9 +166,12 @@ class EventBus:
         """`with bus.step(n, samples=, tokens=)`: StepStarted, then StepEnded with duration_s."""
         return StepScope(self, step, samples=samples, tokens=tokens)
 
-    def phase(self, name: str, *, step: int | None = None, **fields: Any) -> PhaseScope:
-        """`with bus.phase("forward" | "backward" | "optimizer" | "data")`: its *Ended event."""
-        return PhaseScope(self, name, step, **fields)
+    def phase(
+        self, name: str, *, step: int | None = None, device_time: bool = False, **fields: Any
+    ) -> PhaseScope:
+        """`with bus.phase("forward" | "backward" | "optimizer" | "data")`: its *Ended event
+        (`device_time=True`: also the CUDA time, from two events; see `PhaseScope`)."""
+        return PhaseScope(self, name, step, device_time=device_time, **fields)
 
     # -- subscribing -----------------------------------------------------------------
 

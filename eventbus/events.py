@@ -121,16 +121,19 @@ class BatchLoaded(Event):
 
 @dataclass(slots=True, kw_only=True)
 class ForwardEnded(Event):
-    """The forward pass of a step ended (host-side time: kernels may still run)."""
+    """The forward pass of a step ended (host-side time: kernels may still run); `device_s`:
+    the device's time for it, with `bus.phase("forward", device_time=True)` on CUDA."""
 
     duration_s: float | None = None
+    device_s: float | None = None
 
 
 @dataclass(slots=True, kw_only=True)
 class BackwardEnded(Event):
-    """The backward pass of a step ended (host-side time)."""
+    """The backward pass of a step ended (host-side time; `device_s` as for forward)."""
 
     duration_s: float | None = None
+    device_s: float | None = None
 
 
 @dataclass(slots=True, kw_only=True)
@@ -140,6 +143,7 @@ class OptimizerStepped(Event):
     lr: Number | None = None
     grad_norm: Number | None = None
     duration_s: float | None = None
+    device_s: float | None = None  # with bus.phase("optimizer", device_time=True) on CUDA
 
 
 # -- metrics ---------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from eventbus._capture_pending import DeviceSpan
 from eventbus.events import (
     BackwardEnded,
     BatchLoaded,
@@ -144,16 +145,41 @@ class PhaseScope:
 
     The step is the innermost open `bus.step` scope's unless given. `set(**fields)` adds
     fields inside the block (e.g. `grad_norm=` for "optimizer": a tensor is fine).
+    `device_time=True` (CUDA; forward, backward, optimizer): two CUDA events recorded on the
+    current stream at the ends of the block give the event's `device_s`, read on the bus
+    thread once the device got there (~2 event launches a phase; never a sync).
     """
 
-    __slots__ = ("_t0", "bus", "cls", "duration_s", "fields", "name", "step")
+    __slots__ = (
+        "_start",
+        "_t0",
+        "bus",
+        "cls",
+        "device_time",
+        "duration_s",
+        "fields",
+        "name",
+        "step",
+    )
 
-    def __init__(self, bus: BusHandle, name: str, step: int | None = None, **fields: Any) -> None:
+    def __init__(
+        self,
+        bus: BusHandle,
+        name: str,
+        step: int | None = None,
+        *,
+        device_time: bool = False,
+        **fields: Any,
+    ) -> None:
         cls = PHASES.get(name)
         if cls is None:
             raise ValueError(f"unknown phase {name!r}; use one of {', '.join(PHASES)}")
         if step is not None and type(step) is not int:
             raise TypeError(f"step must be an int or None; got {step!r:.80}")
+        if device_time:
+            _check_device_time(name, cls)
+        self.device_time = device_time
+        self._start: Any = None
         self.bus = bus
         self.name = name
         self.cls = cls
@@ -178,6 +204,8 @@ class PhaseScope:
         if self.step is None:
             self.step = current_step(self.bus)
         self._t0 = time.perf_counter()  # host wall time; never waits for the device
+        if self.device_time:
+            self._start = _cuda_event()  # an enqueue on the current stream: never waits
         return self
 
     def __exit__(
@@ -186,7 +214,32 @@ class PhaseScope:
         self.duration_s = time.perf_counter() - self._t0
         if et is None:
             cls: Any = self.cls  # every phase event has duration_s
-            self.bus.publish(cls(step=self.step, duration_s=self.duration_s, **self.fields))
+            fields = self.fields
+            if self._start is not None:  # resolved on the bus thread once both completed
+                fields = {**fields, "device_s": DeviceSpan(self._start, _cuda_event())}
+            self.bus.publish(cls(step=self.step, duration_s=self.duration_s, **fields))
+
+
+def _check_device_time(name: str, cls: type) -> None:
+    """A phase may time the device only on CUDA, and only if its event has `device_s`."""
+    if "device_s" not in {f.name for f in dataclasses.fields(cls)}:
+        raise ValueError(f"phase {name!r} has no device time ({cls.__name__} has no device_s)")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "device_time=True records CUDA events and needs a CUDA device; "
+            "drop it on this machine (duration_s still gives the host time)"
+        )
+
+
+def _cuda_event() -> Any:
+    """A timing CUDA event recorded now on the current stream (enqueued: never waits)."""
+    import torch
+
+    ev = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    ev.record()
+    return ev
 
 
 _SETTABLE: dict[type, frozenset[str]] = {}
@@ -195,7 +248,7 @@ _SETTABLE: dict[type, frozenset[str]] = {}
 def _settable(cls: type) -> frozenset[str]:
     names = _SETTABLE.get(cls)
     if names is None:
-        base = {f.name for f in dataclasses.fields(Event)} | {"duration_s"}
+        base = {f.name for f in dataclasses.fields(Event)} | {"duration_s", "device_s"}
         names = _SETTABLE[cls] = frozenset(
             f.name for f in dataclasses.fields(cls) if f.name not in base
         )

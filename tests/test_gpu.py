@@ -397,3 +397,25 @@ def test_a_full_cuda_ring_falls_back_to_a_pinned_copy(monkeypatch: pytest.Monkey
     assert (
         torch._C._cuda_getCurrentRawStream(0) == torch.cuda.current_stream(0).cuda_stream
     )  # the key the rings use names the stream the writes go on
+
+
+def test_a_phase_timed_on_the_device_never_syncs_and_reports_its_device_time() -> None:
+    """`bus.phase("forward", device_time=True)`: two CUDA events, read on the bus thread once
+    the device passed them; the host's duration is much shorter than the device's."""
+    from eventbus.events import ForwardEnded
+
+    keep = Keep()
+    x = torch.randn(4096, 4096, device="cuda")
+    with EventBus(drain_interval=0.002) as bus:
+        bus.subscribe(keep)
+        with sync_is_an_error():
+            for step in range(3):
+                with bus.phase("forward", step=step, device_time=True):
+                    for _ in range(8):
+                        x = torch.tanh(x @ x * 1e-4)  # queued: the host returns at once
+        assert bus.flush(timeout=60)
+    fwd = [e for e in keep.got if isinstance(e, ForwardEnded)]
+    assert [e.step for e in fwd] == [0, 1, 2]
+    for e in fwd:
+        assert isinstance(e.device_s, float) and e.device_s > 0
+        assert e.duration_s is not None

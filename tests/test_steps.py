@@ -13,6 +13,7 @@ from eventbus.events import (
     BackwardEnded,
     BatchLoaded,
     ForwardEnded,
+    Loss,
     OptimizerStepped,
     StepEnded,
     StepStarted,
@@ -157,3 +158,66 @@ def test_set_checks_field_names(bus: EventBus) -> None:
     ph = bus.phase("optimizer")
     with pytest.raises(TypeError, match=r"OptimizerStepped has no field.*takes grad_norm, lr"):
         ph.set(gradnorm=1.0)
+
+
+# -- device time (CUDA events at the ends of a phase) ------------------------------------------
+
+
+class _FakeCudaEvent:
+    """Stands in for torch.cuda.Event: `query()` says whether the device got there."""
+
+    def __init__(self, done: bool, ms: float = 12.5) -> None:
+        self.done, self.ms = done, ms
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, end: _FakeCudaEvent) -> float:
+        assert self.done and end.done, "elapsed_time before both completed would wait"
+        return self.ms
+
+
+def test_device_time_is_read_once_the_device_got_there_never_waited_for() -> None:
+    """A phase's `device_s` rides the capture path: the router polls the end event (never
+    blocking) and delivers the event, in order, once it completed."""
+    from eventbus._capture_pending import DeviceSpan
+
+    rec = Recorder()
+    start, end = _FakeCudaEvent(True), _FakeCudaEvent(False)
+    with EventBus(drain_interval=0.002) as bus:
+        bus.subscribe(rec)
+        bus.publish(ForwardEnded(step=1, duration_s=0.001, device_s=DeviceSpan(start, end)))  # type: ignore[arg-type]
+        bus.publish(Loss(step=1, value=2.0))
+        assert not bus.flush(timeout=0.3)  # the device is not there yet: held, in order
+        assert rec.got == []
+        end.done = True
+        assert bus.flush()
+    fwd, loss = rec.got
+    assert isinstance(fwd, ForwardEnded) and fwd.device_s == 0.0125 and fwd.duration_s == 0.001
+    assert isinstance(loss, Loss)
+
+
+def test_a_device_time_that_cannot_be_read_is_none_and_logged() -> None:
+    from eventbus._capture_pending import DeviceSpan
+
+    class Broken(_FakeCudaEvent):
+        def query(self) -> bool:
+            raise RuntimeError("CUDA error: an illegal memory access")
+
+    rec = Recorder()
+    with EventBus(drain_interval=0.002) as bus:
+        bus.subscribe(rec)
+        span = DeviceSpan(_FakeCudaEvent(True), Broken(False))
+        bus.publish(BackwardEnded(step=1, device_s=span))  # type: ignore[arg-type]
+    (ev,) = rec.got
+    assert isinstance(ev, BackwardEnded) and ev.device_s is None
+
+
+def test_device_time_is_refused_where_it_cannot_be() -> None:
+    bus = EventBus()
+    with pytest.raises(ValueError, match="no device time"):
+        bus.phase("data", device_time=True)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="needs a CUDA device"):
+            bus.phase("forward", device_time=True)
+    bus.close()

@@ -122,7 +122,9 @@ class StragglerDetector:
                 if phase is None:
                     continue
                 self._enter(ev)
-                secs = getattr(ev, "duration_s", None)
+                secs = getattr(ev, "device_s", None)  # CUDA time, when the phase timed it
+                if secs is None:
+                    secs = getattr(ev, "duration_s", None)
                 if secs is None and ev.ts is not None and self._prev_ts is not None:
                     secs = (ev.ts - self._prev_ts) / 1e9
                 self._prev_ts = ev.ts

@@ -106,3 +106,26 @@ def test_one_rank_does_nothing_and_bad_settings_are_refused() -> None:
         StragglerDetector(wait_phases=["allreduce"])
     with pytest.raises(ValueError, match="every must be an int >= 1"):
         StragglerDetector(every=0)
+
+
+def test_a_phase_timed_on_the_device_counts_its_device_time() -> None:
+    """On a GPU the host returns from a phase long before the device finishes it: a phase
+    published with `device_s` (bus.phase(..., device_time=True)) is scored by that."""
+    import anyio
+
+    det = StragglerDetector(every=5)
+    sent: list[dict[str, object]] = []
+    det.link.put = lambda key, value: sent.append(value)  # type: ignore[method-assign]
+    det._on = True  # as on a rank of two (the link itself is tested in test_rank_link.py)
+    batch: list[Event] = []
+    for step in range(1, 6):
+        batch += [
+            StepStarted(step=step, ts=step * 10**9),
+            ForwardEnded(step=step, duration_s=0.001, device_s=0.25),
+            BackwardEnded(step=step, duration_s=0.002),  # a wait phase: left out
+            OptimizerStepped(step=step, duration_s=0.003),  # host time only: as before
+            StepEnded(step=step, duration_s=0.3),
+        ]
+    anyio.run(det.on_events, batch)
+    (window,) = sent
+    assert window["t"] == {"forward": 0.25, "optimizer": 0.003}
