@@ -395,5 +395,6 @@ class EventBus:
         self._inbox.reset_after_fork()
         self._lifecycle = threading.RLock()
         self._signals.forget()
+        self._ending.forget_after_fork()  # a strict bus's failure is the parent's to raise
         if self._exit_hook:
             atexit.unregister(self._at_exit)

@@ -116,7 +116,11 @@ class StepScope:
     def __enter__(self) -> StepScope:
         _OPEN.setdefault(self.bus, []).append(self.step)
         _step_changed(self.bus)
-        self.bus.publish(StepStarted(step=self.step))
+        try:
+            self.bus.publish(StepStarted(step=self.step))
+        except BaseException:  # a strict bus's failure: the step never opened
+            self._close()
+            raise
         self._t0 = time.perf_counter()  # host wall time; never waits for the device
         return self
 
@@ -124,10 +128,7 @@ class StepScope:
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.duration_s = time.perf_counter() - self._t0
-        open_ = _OPEN.get(self.bus)
-        if open_:
-            open_.pop()
-        _step_changed(self.bus)
+        self._close()
         if et is not None:
             return  # the step did not end: no StepEnded (throughput would be wrong)
         _check_count("samples", self.samples)
@@ -137,6 +138,13 @@ class StepScope:
                 step=self.step, duration_s=self.duration_s, samples=self.samples, tokens=self.tokens
             )
         )
+
+    def _close(self) -> None:
+        """This step is no longer the open one (listeners are told)."""
+        open_ = _OPEN.get(self.bus)
+        if open_:
+            open_.pop()
+        _step_changed(self.bus)
 
 
 class PhaseScope:

@@ -56,6 +56,7 @@ class Delivery:
     ) -> None:
         self.sub = sub
         self.last = False  # closed after the others (the sidecar: it gets what they publish)
+        self.first = bool(getattr(sub, "close_first", False))  # closed before: it publishes then
         self.name = name
         self.events = events
         self.policy = policy

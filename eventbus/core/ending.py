@@ -18,6 +18,7 @@ from eventbus.control import AbortRequested, Control
 from eventbus.core.cost import CostMeter
 from eventbus.core.strict import FirstFailure
 from eventbus.events import RunEnded
+from eventbus.log import get_logger
 from eventbus.stats import BusStats, losses
 
 __all__ = ["RunEnding"]
@@ -80,13 +81,22 @@ class RunEnding:
         if self.cost is not None:
             self.cost.fill(ev)
         if ev.losses is None:
-            ev.losses = losses(self.stats())
+            try:
+                ev.losses = losses(self.stats())
+            except Exception as e:  # never the router's: the event goes out without them
+                get_logger().error("RunEnded.losses could not be read", error=repr(e))
 
     def closed(self, st: BusStats) -> BusStats:
-        """The bus closed with these stats; a strict bus raises its first failure here."""
-        if self.failures is not None:
+        """The bus closed with these stats; a strict bus raises its first failure here, but
+        not for a signal's drain or at interpreter exit (nobody to raise it to: the close
+        warning says it)."""
+        if self.failures is not None and self.status not in ("interrupted", "unknown"):
             self.failures.at_close(st)
         return st
+
+    def forget_after_fork(self) -> None:
+        if self.failures is not None:
+            self.failures.forget_after_fork()
 
     def _set(self, status: str, reason: str | None) -> None:
         if self.status is None:

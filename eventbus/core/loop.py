@@ -305,7 +305,7 @@ class BusLoop:
                 todo = [d for d in self.router.deliveries if d not in closed]
                 if not todo:
                     break
-                d = ([x for x in todo if not x.last] or todo)[-1]
+                d = ([x for x in todo if x.first] or [x for x in todo if not x.last] or todo)[-1]
                 closed.add(d)
                 share = (self.deadline - time.monotonic()) / (len(todo) + len(self._retiring))
                 publisher.set(d.name)

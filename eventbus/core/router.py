@@ -179,6 +179,8 @@ class Router:
         captured or big one, no run boundary) and every queue they go to has room: C maps
         over the run, no bytecode per event. False: nothing taken; route one at a time."""
         head = list(islice(items, n))  # a copy: publishers only append meanwhile
+        if len(head) < n:  # the closer took some (an abandoned loop): one at a time
+            return False
         kinds = set(map(type, head))
         if not kinds.isdisjoint(_ONE_AT_A_TIME):
             return False

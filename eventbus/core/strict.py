@@ -13,6 +13,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from eventbus._compiling import compiling
+from eventbus.core.worker import thread_state
 from eventbus.events import Event
 from eventbus.stats import BusStats
 
@@ -84,6 +86,11 @@ class FirstFailure:
             self._taken, self.pending = True, False
             return self._first
 
+    def forget_after_fork(self) -> None:
+        """In a forked child: nothing to raise there (its lock may have been held at the fork)."""
+        self._lock = threading.Lock()
+        self.settle()
+
     def settle(self) -> None:
         """Never raise: the caller is unwinding with an exception of its own."""
         with self._lock:
@@ -98,6 +105,8 @@ class FirstFailure:
 
         def strict_publish(ev: Event) -> None:
             publish(ev)
+            if compiling():  # traced: the op's eager body calls this wrapper again at run time
+                return
             if self.pending and not on_bus_side() and _users_thread():
                 first = self.take()
                 if first is not None:
@@ -119,4 +128,6 @@ class FirstFailure:
 
 
 def _users_thread() -> bool:
-    return not threading.current_thread().name.startswith("eventbus")  # ours all are named so
+    """Not the bus side of any bus (a subscriber of another bus, publishing here), and not a
+    thread of eventbus's own (a watchdog, a listener: all named "eventbus-...")."""
+    return thread_state.owner is None and not threading.current_thread().name.startswith("eventbus")

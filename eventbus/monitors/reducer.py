@@ -8,8 +8,8 @@ The training thread runs no collective for it: publishing a `Loss` is all it doe
 falls behind delays the reduced event (rank 0 waits for its part), never training; one that
 sent nothing for `timeout_s` is reported (`RankUnresponsive`, a warning) and the steps go out
 reduced over the ranks that sent them (`ranks`, `missing`). With one rank, it publishes nothing.
-Subscribe it after the sinks that should record its events: at close the bus closes the newest
-subscriber first, and the last steps' events it publishes then reach only the older ones.
+It closes before the other subscribers (`close_first`), so what it publishes at close reaches
+every sink, whatever the order they were subscribed in.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ class RankReducer:
 
     policy: ClassVar[str] = "drop_oldest"  # a skipped step is tolerated: never backpressure
     maxsize: ClassVar[int] = 10_000
+    close_first: ClassVar[bool] = True  # its last steps go out at close: before the sinks close
     name = "rank_reducer"
 
     def __init__(

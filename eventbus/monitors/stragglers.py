@@ -55,6 +55,7 @@ class StragglerDetector:
     events: ClassVar[tuple[type[Event], ...]] = (StepStarted, StepEnded, *PHASE_OF)
     policy: ClassVar[str] = "drop_oldest"
     maxsize: ClassVar[int] = 10_000
+    close_first: ClassVar[bool] = True  # its last window is scored at close: before the sinks
     name = "stragglers"
 
     def __init__(

@@ -358,7 +358,7 @@ class Sidecar(Reports):
     def merged(self, st: BusStats) -> BusStats:
         """`bus.stats()` with the sidecar's subscribers and its own counters."""
         subs = dict(st.subscribers)
-        for r in self.remotes.values():
+        for r in list(self.remotes.values()):  # a copy: subscribe() may add one meanwhile
             subs[r.name] = r.stats()
         return replace(st, subscribers=subs, sidecar=self.stats(), hung=st.hung + self.hung)
 

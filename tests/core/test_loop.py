@@ -12,7 +12,7 @@ import pytest
 
 from eventbus import Event, EventBus
 from eventbus.core.router import Router
-from eventbus.events import Loss
+from eventbus.events import Loss, Scalars
 from eventbus.logformat import read_log
 from eventbus.sinks import JsonlWriter
 from tests.conftest import Recorder
@@ -140,3 +140,32 @@ def test_a_dead_loop_never_blocks_publish_and_is_reported(monkeypatch: pytest.Mo
     assert len(rec.got) == s.delivered >= 10
     assert s.delivered + s.dropped + st.rejected == 10_010  # every event accounted for
     assert st.rejected > 0
+
+
+class _SaysGoodbye:
+    """Publishes one event as it closes."""
+
+    close_first = True
+
+    def on_start(self, bus: Any) -> None:
+        self.bus = bus
+
+    def on_events(self, batch: list[Event]) -> None:
+        pass
+
+    def on_close(self) -> None:
+        self.bus.publish(Scalars(step=99, values={"bye": 1.0}))
+
+
+def test_close_first_closes_a_subscriber_before_those_subscribed_before_it() -> None:
+    """Newest first, but `close_first` before all: what it publishes at close reaches a sink
+    subscribed after it, which a plain newest-first close would have closed already."""
+    early, late = Recorder(events=[Scalars]), Recorder(events=[Scalars])
+    bus = EventBus(drain_interval=0.002)
+    bus.subscribe(early, name="early")
+    bus.subscribe(_SaysGoodbye())
+    bus.subscribe(late, name="late")
+    with bus:
+        pass
+    assert [e.step for e in early.got] == [99]
+    assert [e.step for e in late.got] == [99]  # closed after the one that said goodbye

@@ -220,3 +220,106 @@ def test_a_bad_strict_is_a_plain_flag() -> None:
     bus: Any = EventBus(strict=False)
     assert "strict_publish" not in repr(bus.publish)  # a lax bus keeps its plain method
     bus.close()
+
+
+# -- where it must not be raised (an adversarial review's findings) ---------------------------
+
+
+def _pending(bus: EventBus) -> None:
+    """Make a failure pending on `bus` (strict) without raising it: via the unwrapped publish."""
+    bus.subscribe(FailsAt(0), name="picky")
+    bus.start()
+    EventBus.publish(bus, Loss(step=0, value=1.0))
+    assert bus.flush()
+
+
+def test_a_compiled_function_publishing_gets_it_at_run_time_not_a_tracing_error() -> None:
+    import torch
+
+    bus = EventBus(strict=True)
+    _pending(bus)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def step(x: torch.Tensor, i: int) -> torch.Tensor:
+        y = x * 2
+        bus.publish(Loss(step=i, value=y.sum()))
+        return y
+
+    with pytest.raises(SubscriberFailed, match="picky"):
+        step(torch.ones(3), 1)
+    step(torch.ones(3), 2)  # raised once; the compiled function still works
+    rec = Recorder()
+    bus.subscribe(rec, events=[Loss])
+    step(torch.ones(3), 3)
+    bus.close()
+    assert [e.step for e in rec.got] == [3]
+
+
+def test_a_forked_child_never_raises_the_parents_failure() -> None:
+    import os
+
+    bus = EventBus(strict=True)
+    _pending(bus)
+    pid = os.fork()
+    if pid == 0:  # the child: every bus call returns at once
+        code = 0
+        try:
+            bus.publish(Loss(step=1, value=1.0))
+            bus.close()
+        except BaseException:
+            code = 3
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    with pytest.raises(SubscriberFailed):  # the parent still has it
+        bus.publish(Loss(step=1, value=1.0))
+    bus.close()
+
+
+def test_a_drain_on_a_signal_or_at_exit_does_not_raise_it() -> None:
+    """SIGTERM drains on a thread of eventbus's own and the process then ends; atexit has
+    nobody to raise to. The close warning says it; nothing is printed as an uncaught error."""
+    for end in ("signalled", "at_exit"):
+        bus = EventBus(strict=True)
+        _pending(bus)
+        if end == "signalled":
+            bus._ending.signalled("SIGTERM")
+        else:
+            bus._ending.at_exit()
+        assert bus.close().failed >= 1  # no raise
+
+
+def test_a_subscriber_of_another_bus_publishing_here_does_not_take_it() -> None:
+    """The other bus's loop thread carries the user's name, not "eventbus": it is still a bus
+    side, and the failure waits for this bus's own user."""
+    strict = EventBus(strict=True)
+    _pending(strict)
+    errors: list[BaseException] = []
+
+    async def forward(ev: Event) -> None:
+        try:
+            strict.publish(Scalars(step=ev.step, values={"x": 1.0}))
+        except BaseException as e:
+            errors.append(e)
+
+    other = EventBus(name="metrics")
+    other.subscribe(forward, events=[Loss])
+    with other:
+        other.publish(Loss(step=5, value=1.0))
+    assert not errors
+    with pytest.raises(SubscriberFailed):
+        strict.close()
+
+
+def test_a_step_that_raised_it_at_its_start_is_not_left_open() -> None:
+    from eventbus.steps import current_step
+
+    bus = EventBus(strict=True)
+    _pending(bus)
+    with pytest.raises(SubscriberFailed), bus.step(7):
+        pass  # never runs: the StepStarted's publish raised
+    assert current_step(bus) is None
+    with bus.step(8):
+        assert current_step(bus) == 8
+    assert current_step(bus) is None
+    bus.close()
