@@ -121,6 +121,7 @@ LAYERS: dict[str, str] = {
     "eventbus.monitors._divergence_rule": SUBSCRIBERS,
     "eventbus.monitors._leak_rule": SUBSCRIBERS,
     "eventbus.monitors._rank_link": SUBSCRIBERS,
+    "eventbus.monitors._rank_monitor": SUBSCRIBERS,
     "eventbus.monitors._straggler_rule": SUBSCRIBERS,
     "eventbus.monitors.reducer": SUBSCRIBERS,
     "eventbus.monitors.stragglers": SUBSCRIBERS,

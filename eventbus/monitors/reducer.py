@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
-from eventbus.core import BusHandle
-from eventbus.events import Event, Loss, RankUnresponsive, ReducedMetric
-from eventbus.log import get_logger
-from eventbus.monitors._rank_link import Key, RankLink, decode_float, encode_float
+from eventbus.events import Event, Loss, ReducedMetric
+from eventbus.monitors._rank_link import Key, decode_float, encode_float
+from eventbus.monitors._rank_monitor import RankMonitor
 
 __all__ = ["OPS", "RankReducer"]
 
@@ -32,19 +31,17 @@ OPS: dict[str, Callable[[Sequence[float]], float]] = {
     "max": max,
 }
 
-_instances: dict[str, int] = {}  # channel name -> reducers made in this process (the same
-# order on every rank gives each its own channel)
 
-
-class RankReducer:
+class RankReducer(RankMonitor):
     """Publishes, on rank 0, `ReducedMetric(step, name, op, value, ranks, missing)` for each step
     of `events` once every rank sent its value: a `value` field (`Loss`), or each key of a
     `values` dict (`Scalars`, named "Scalars.<key>"). `op`: mean, sum, min or max."""
 
-    policy: ClassVar[str] = "drop_oldest"  # a skipped step is tolerated: never backpressure
-    maxsize: ClassVar[int] = 10_000
-    close_first: ClassVar[bool] = True  # its last steps go out at close: before the sinks close
     name = "rank_reducer"
+    silent = (
+        "a rank sent no value to reduce for too long: it may be dead or hung; no longer "
+        "waiting for it"
+    )
 
     def __init__(
         self,
@@ -69,26 +66,9 @@ class RankReducer:
         if every_s <= 0 or timeout_s <= 0 or close_wait_s < 0:
             raise ValueError("every_s and timeout_s must be > 0 and close_wait_s >= 0")
         self.op = op
-        n = _instances[channel] = _instances.get(channel, 0) + 1
-        self.link = RankLink(
-            f"{channel}/{n}",
-            on_ready=self._ready,
-            on_lost=self._lost,
-            tick_s=every_s,
-            timeout_s=timeout_s,
-            close_wait_s=close_wait_s,
-        )
+        super().__init__(channel, every_s=every_s, timeout_s=timeout_s, close_wait_s=close_wait_s)
         self.published = 0  # ReducedMetric events (rank 0)
         self.skipped = 0  # events without a step, or with a value that is not a number
-        self._bus: BusHandle | None = None
-        self._on = False
-
-    def on_start(self, bus: BusHandle) -> None:
-        """Open the link on every rank of a job of several; with one rank, stay off."""
-        self._bus = bus
-        self._on = bus.world_size > 1
-        if self._on:
-            self.link.start(bus.rank, bus.world_size)
 
     async def on_events(self, batch: list[Event]) -> None:
         """Queue this rank's values (bus loop; a few appends per event)."""
@@ -106,17 +86,8 @@ class RankReducer:
 
     def on_close(self) -> None:
         """Send the rest; rank 0 waits up to `close_wait_s` for the others' last values."""
-        if not self._on:
-            return
-        self.link.close()
-        st = self.link.stats()
-        if st["failed"] or st["dropped"] or st["lost"] or self.skipped or st["error"]:
-            get_logger().warning(
-                "RankReducer lost values",
-                rank=self._bus.rank if self._bus else 0,
-                **st,
-                skipped=self.skipped,
-            )
+        if self._on:
+            self._close_link(skipped=self.skipped)
 
     def stats(self) -> dict[str, Any]:
         """What crossed ranks and what was lost (counters of the link, on this rank)."""
@@ -140,18 +111,6 @@ class RankReducer:
                 missing=list(missing),
             )
         )
-
-    def _lost(self, rank: int, waited: float) -> None:
-        get_logger().warning(
-            "a rank sent no value to reduce for too long: it may be dead or hung; no longer "
-            "waiting for it",
-            missing_rank=rank,
-            waited_s=round(waited, 1),
-        )
-        if self._bus is not None:
-            self._bus.publish(
-                RankUnresponsive(missing_rank=rank, waited_s=round(waited, 3), source=self.name)
-            )
 
 
 def _values(ev: Event) -> Iterator[tuple[str, float | None]]:

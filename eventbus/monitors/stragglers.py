@@ -19,20 +19,19 @@ import statistics
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
-from eventbus.core import BusHandle
 from eventbus.events import (
     BackwardEnded,
     BatchLoaded,
     Event,
     ForwardEnded,
     OptimizerStepped,
-    RankUnresponsive,
     StepEnded,
     StepStarted,
     StragglerDetected,
 )
 from eventbus.log import get_logger
-from eventbus.monitors._rank_link import Key, RankLink
+from eventbus.monitors._rank_link import Key
+from eventbus.monitors._rank_monitor import RankMonitor
 from eventbus.monitors._straggler_rule import StragglerRule
 
 __all__ = ["PHASE_OF", "StragglerDetector"]
@@ -44,19 +43,15 @@ PHASE_OF: dict[type[Event], str] = {
     OptimizerStepped: "optimizer",
 }
 
-_instances: dict[str, int] = {}  # channel name -> detectors made here (same order on every rank)
 
-
-class StragglerDetector:
+class StragglerDetector(RankMonitor):
     """Publishes, on rank 0, `StragglerDetected` for a rank whose own work (its phases but
     `wait_phases`) takes `threshold` x the fastest rank's, `patience` windows of `every` steps
     in a row."""
 
     events: ClassVar[tuple[type[Event], ...]] = (StepStarted, StepEnded, *PHASE_OF)
-    policy: ClassVar[str] = "drop_oldest"
-    maxsize: ClassVar[int] = 10_000
-    close_first: ClassVar[bool] = True  # its last window is scored at close: before the sinks
     name = "stragglers"
+    silent = "a rank sent no step times for too long: it may be dead or hung"
 
     def __init__(
         self,
@@ -80,30 +75,13 @@ class StragglerDetector:
             raise ValueError(f"unknown wait_phases {sorted(unknown)}; the phases are {known}")
         self.every = every
         self.rule = StragglerRule(threshold=threshold, min_excess_s=min_excess_s, patience=patience)
-        n = _instances[channel] = _instances.get(channel, 0) + 1
-        self.link = RankLink(
-            f"{channel}/{n}",
-            on_ready=self._ready,
-            on_lost=self._lost,
-            tick_s=every_s,
-            timeout_s=timeout_s,
-            close_wait_s=close_wait_s,
-        )
+        super().__init__(channel, every_s=every_s, timeout_s=timeout_s, close_wait_s=close_wait_s)
         self.detected = 0  # StragglerDetected published (rank 0)
-        self._bus: BusHandle | None = None
-        self._on = False
         self._window: int | None = None  # the window being filled
         self._times: dict[str, list[float]] = {}
         self._last_step: int | None = None
         self._prev_ts: int | None = None  # the step's previous boundary (ns)
         self._ended = 0  # StepEnded seen (windows of a loop without step numbers)
-
-    def on_start(self, bus: BusHandle) -> None:
-        """Open the link on every rank of a job of several; with one rank, stay off."""
-        self._bus = bus
-        self._on = bus.world_size > 1
-        if self._on:
-            self.link.start(bus.rank, bus.world_size)
 
     async def on_events(self, batch: list[Event]) -> None:
         """Note each phase's time (bus loop); a finished window goes to rank 0."""
@@ -137,10 +115,7 @@ class StragglerDetector:
         if not self._on:
             return
         self._flush()
-        self.link.close()
-        st = self.link.stats()
-        if st["failed"] or st["dropped"] or st["lost"] or st["error"]:
-            get_logger().warning("StragglerDetector lost windows", **st)
+        self._close_link()
 
     def stats(self) -> dict[str, Any]:
         """What crossed ranks and what was lost (the link's counters, on this rank)."""
@@ -196,14 +171,3 @@ class StragglerDetector:
                         scores={str(r): x for r, x in s.scores.items()},
                     )
                 )
-
-    def _lost(self, rank: int, waited: float) -> None:
-        get_logger().warning(
-            "a rank sent no step times for too long: it may be dead or hung",
-            missing_rank=rank,
-            waited_s=round(waited, 1),
-        )
-        if self._bus is not None:
-            self._bus.publish(
-                RankUnresponsive(missing_rank=rank, waited_s=round(waited, 3), source=self.name)
-            )
