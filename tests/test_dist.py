@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
-import socket
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +18,7 @@ from eventbus.cli import main as cli
 from eventbus.codec import iter_lines
 from eventbus.dist import rank_info
 from eventbus.events import Event, Loss, RunEnded, RunStarted, StopRequested
+from tests.torchrun import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,12 +49,6 @@ def test_stop_check_every_is_checked() -> None:
 
 
 # -- the agreement in one process (a world of one over gloo) ---------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -193,14 +184,8 @@ def test_torchrun_two_ranks_stop_together(
 ) -> None:
     out = tmp_path / "run"
     nan_step, every = 20, 3
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--rdzv_backend=c10d",
-        f"--rdzv_endpoint=127.0.0.1:{_free_port()}",
-        str(ROOT / "examples" / "torchrun_ddp.py"),
+    proc = torchrun(
+        ROOT / "examples" / "torchrun_ddp.py",
         "--quick",
         "--out",
         str(out),
@@ -210,12 +195,7 @@ def test_torchrun_two_ranks_stop_together(
         str(nan_step),
         "--stop-check-every",
         str(every),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("EVENTBUS_SUBSCRIBERS", None)
-    env.pop("EVENTBUS_CONFIG", None)
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=200, env=env, cwd=tmp_path, check=False
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 

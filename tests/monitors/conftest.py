@@ -2,44 +2,19 @@
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.torchrun import torchrun
+
 JOB = Path(__file__).with_name("ranks_job.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def launch(out: Path, ranks: int, only: str) -> subprocess.CompletedProcess[str]:
     """`ranks_job.py` under torchrun on CPU; the runs named in `only` write under `out`."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={ranks}",
-        "--rdzv_backend=c10d",
-        f"--rdzv_endpoint=127.0.0.1:{_free_port()}",
-        str(JOB),
-        str(out),
-        "--only",
-        only,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("EVENTBUS_SUBSCRIBERS", None)
-    env.pop("EVENTBUS_CONFIG", None)
-    done = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=240, env=env, cwd=out, check=False
-    )
+    done = torchrun(JOB, str(out), "--only", only, cwd=out, nproc=ranks, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return done
 

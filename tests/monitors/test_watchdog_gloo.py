@@ -5,10 +5,7 @@ exits 70 with its stacks and every event on disk, written by its sidecar."""
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,37 +13,15 @@ import pytest
 from eventbus.events import Loss, StallDetected, StallEnded, StopRequested
 from eventbus.logformat import read_log
 from tests.core.helpers import until
+from tests.torchrun import torchrun
 
-ROOT = Path(__file__).resolve().parents[2]
 JOB = Path(__file__).with_name("gloo_stall.py")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _torchrun(mode: str, out: Path) -> subprocess.CompletedProcess[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--rdzv_backend=c10d",
-        f"--rdzv_endpoint=127.0.0.1:{_free_port()}",
-        str(JOB),
-        mode,
-        str(out),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("EVENTBUS_SUBSCRIBERS", None)
-    env.pop("EVENTBUS_CONFIG", None)
-    return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=150, env=env, cwd=out, check=False
-    )
+    return torchrun(JOB, mode, str(out), cwd=out, timeout=150)
 
 
 def _stacks(out: Path, rank: int) -> str:
