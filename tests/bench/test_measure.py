@@ -72,6 +72,9 @@ def test_a_cpu_bound_subscriber_costs_bus_cpu_on_the_bus_and_sidecar_cpu_in_the_
     assert bare.train_cpu_ms is not None
     if bare.step_ms_p50 > 1.5 * bare.train_cpu_ms:  # the CPU figures above hold even then
         pytest.skip(f"machine oversubscribed: bare steps wait for a core\n{r.table()}")
+    if bare.step_ms_p99 is not None and bare.step_ms_p99 > 2 * bare.step_ms_p50:
+        # other work on the machine stalls steps at random: means (below) compare the noise
+        pytest.skip(f"machine busy: bare p99 is over twice its p50\n{r.table()}")
     gil = on_bus.step_ms_mean - bare.step_ms_mean
     assert gil > process.step_ms_mean - bare.step_ms_mean + 1.5, r.table()
 
