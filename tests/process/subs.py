@@ -228,7 +228,7 @@ class Gate:
 
 
 @dataclass(slots=True, kw_only=True)
-class BigText(Event):
+class BigBlob(Event):
     """A big event (a MiB of text, say) for the byte bounds."""
 
     data: str = ""

@@ -20,7 +20,7 @@ from eventbus.process import ProcessSubscriber
 from eventbus.sinks import JsonlWriter, TensorBoardSink
 from tests.conftest import Recorder
 from tests.process.subs import (
-    BigText,
+    BigBlob,
     Burner,
     DieOnce,
     Gate,
@@ -204,7 +204,7 @@ def test_large_events_are_bounded_in_bytes_before_backpressure(
 
     def train() -> None:
         for i in range(200):  # 200 MiB: far more than the bounds hold (5 x 8 MiB)
-            bus.publish(BigText(step=i, data=big))
+            bus.publish(BigBlob(step=i, data=big))
         done.set()
 
     with bus:
