@@ -54,6 +54,8 @@ def main() -> None:
     )
     x = torch.ones(4)
     with bus:
+        bus.flush(timeout=60)  # this rank's sidecar is up (a slow start is not a stall)
+        dist.barrier()  # and the other rank's: step 0 starts together
         for step in range(6):
             with bus.step(step):
                 if step == 5 and rank == 1:

@@ -34,8 +34,8 @@ def test_both_ranks_report_the_stall_and_its_length(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank, frame in ((0, "all_reduce"), (1, "hold_back")):
         evs = list(read_log(tmp_path / f"events.rank{rank}.jsonl"))
-        (stall,) = [e for e in evs if isinstance(e, StallDetected)]
-        (ended,) = [e for e in evs if isinstance(e, StallEnded)]
+        (stall,) = [e for e in evs if isinstance(e, StallDetected) and e.step == 4]
+        (ended,) = [e for e in evs if isinstance(e, StallEnded) and e.step == 5]
         assert stall.step == 4 and stall.bound_s == 1.0 and stall.waited_s >= 1.0
         assert frame in stall.stacks and frame in _stacks(tmp_path, rank)  # where it waits
         assert ended.step == 5 and ended.stalled_s >= 1.0
