@@ -115,7 +115,7 @@ class EventBus:
         self._ending = RunEnding(self.control, self._loop.cost, self.stats, strict=strict)
         self._loop.router.run_ended = self._ending.fill  # RunEnded's cost and losses
         if self._ending.failures is not None:  # an instance attribute: a lax bus pays nothing
-            self.publish = self._ending.failures.checked(self.publish, self._inbox.on_bus_side)  # type: ignore[method-assign,assignment]
+            self.publish = self._ending.failures.checked(self.publish)  # type: ignore[method-assign,assignment]
         self._loop.ending = self._ending.event
         self._signals = SignalDrain(self.close, lambda: self.close_timeout, self._ending)
         self._exit_hook = False

@@ -97,17 +97,13 @@ class SubscriberQueue:
         """Whether `k` more small events fit now without waiting or dropping (a FIFO, open)."""
         return len(self._fifo) + k <= self._fast_below
 
-    def put_all(self, evs: list[Event]) -> bool:
-        """Enqueue small events, in order, if every one fits now; else put nothing and return
-        False. The router's run of plain events."""
+    def put_all(self, evs: list[Event]) -> None:
+        """Enqueue small events, in order: the router's run of plain events, which it puts
+        only where `fits(len(evs))` (so a bound is never passed, and nothing is refused)."""
         fifo = self._fifo
-        n = len(fifo)
-        if not self.fits(len(evs)):
-            return False
-        fifo.extend(evs)
-        if not n and evs:  # the consumer waits only on an empty queue: wake it once
+        if not fifo and evs:  # the consumer waits only on an empty queue: wake it once
             self._readable.set()
-        return True
+        fifo.extend(evs)
 
     def _put_slow(self, ev: Event, nbytes: int, force: bool) -> bool:
         if self._closed:

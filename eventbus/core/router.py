@@ -200,7 +200,7 @@ class Router:
         deque(map(call, repeat(items.popleft, n)), maxlen=0)  # take them: `head`, in order
         self.routed += n
         for d, q, evs in plan:
-            q.put_all(evs)  # fits: checked above, and nothing ran since
+            q.put_all(evs)  # fits: checked above, and nothing ran since (no await)
             d.routed += len(evs)
         return True
 

@@ -96,18 +96,16 @@ class FirstFailure:
         with self._lock:
             self._taken, self.pending = True, False
 
-    def checked(
-        self, publish: Callable[[Event], None], on_bus_side: Callable[[], bool]
-    ) -> Callable[[Event], None]:
+    def checked(self, publish: Callable[[Event], None]) -> Callable[[Event], None]:
         """`publish`, then the pending failure raised (the event is queued first), only on
-        the user's threads: never on the bus side or on a thread of eventbus's own (a
-        watchdog, a listener), where it would be caught and lost."""
+        the user's threads: never on a bus side (this bus's or another's) or on a thread of
+        eventbus's own (a watchdog, a listener), where it would be caught and lost."""
 
         def strict_publish(ev: Event) -> None:
             publish(ev)
             if compiling():  # traced: the op's eager body calls this wrapper again at run time
                 return
-            if self.pending and not on_bus_side() and _users_thread():
+            if self.pending and _users_thread():
                 first = self.take()
                 if first is not None:
                     raise first
