@@ -60,6 +60,7 @@ LAYERS: dict[str, str] = {
     "eventbus.core.inbox": CORE,
     "eventbus.core.strict": CORE,
     "eventbus.core.loop": CORE,
+    "eventbus.core.shutdown": CORE,
     "eventbus.core.queue": CORE,
     "eventbus.core.router": CORE,
     "eventbus.core.signals": CORE,

@@ -18,6 +18,7 @@ import time
 import types
 from collections import deque
 from collections.abc import Callable, Coroutine, Generator, Iterable, Mapping
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any, Protocol
 
 from eventbus.events import BusCost, Event, RunEnded
@@ -35,28 +36,19 @@ _NO_STEP = -(1 << 62)
 
 
 class PublishClock:
-    """Written by `publish`: time spent inside it, in total and per step."""
+    """Written by `publish`: time spent inside it, in total and where each step began.
 
-    __slots__ = (
-        "first_ns",
-        "first_t",
-        "mark_ns",
-        "mark_t",
-        "ns",
-        "recent",
-        "step",
-        "steps",
-    )
+    On the first event of a higher step, `roll` appends a mark (the publish time so far, the
+    clock); the per-step figures are differences of marks, taken when asked for."""
+
+    __slots__ = ("first", "marks", "ns", "step", "steps")
 
     def __init__(self) -> None:
         self.ns = 0  # time inside publish, in total
         self.step = _NO_STEP  # the highest step seen
         self.steps = 0  # steps seen (each a higher `step` than any before)
-        self.mark_ns = 0  # `ns` and the clock when that step began
-        self.mark_t = 0
-        self.first_ns = 0  # the same when the first step began
-        self.first_t = 0
-        self.recent: deque[tuple[int, int]] = deque(maxlen=RECENT)  # (publish ns, wall ns)
+        self.first: tuple[int, int] | None = None  # (`ns`, clock) when the first step began
+        self.marks: deque[tuple[int, int]] = deque(maxlen=RECENT + 1)  # the same, recent steps
 
     @property
     def last(self) -> int | None:
@@ -65,11 +57,10 @@ class PublishClock:
 
     def roll(self, step: int, now: int) -> None:
         """The first event of `step`, a higher step than any before, at `now` (`time_ns`)."""
-        if self.step == _NO_STEP:
-            self.first_ns, self.first_t = self.ns, now
-        else:
-            self.recent.append((self.ns - self.mark_ns, now - self.mark_t))
-        self.step, self.mark_ns, self.mark_t = step, self.ns, now
+        self.step = step
+        if self.first is None:
+            self.first = (self.ns, now)
+        self.marks.append((self.ns, now))
         self.steps += 1
 
 
@@ -104,11 +95,12 @@ class CostMeter:
     def stats(self) -> CostStats:
         """A snapshot of the totals."""
         c = self.clock
-        recent = list(c.recent)  # a copy: publishers append while we read
-        steps = c.steps
-        pub = sorted(p for p, _ in recent)
-        wall = sorted(w for _, w in recent)
-        span = c.mark_t - c.first_t  # the closed steps, first event to first event
+        marks = list(c.marks)  # a copy: publishers append while we read (`first` is set first)
+        steps, first = c.steps, c.first
+        closed = list(pairwise(marks))  # each closed step: its mark and the next
+        pub = sorted(b[0] - a[0] for a, b in closed)
+        wall = sorted(b[1] - a[1] for a, b in closed)
+        span = marks[-1][1] - first[1] if marks and first else 0  # first event to first event
         bus = self.bus_cpu_s
         return CostStats(
             steps=steps,
@@ -117,7 +109,7 @@ class CostMeter:
             publish_ms_p50=_quantile(pub, 0.5) if pub else None,
             publish_ms_p99=_quantile(pub, 0.99) if pub else None,
             step_ms_p50=_quantile(wall, 0.5) if wall else None,
-            share=(c.mark_ns - c.first_ns) / span if span > 0 else None,
+            share=(marks[-1][0] - first[0]) / span if span > 0 and first else None,
             bus_cpu_s=bus,
             bus_cpu_ms_per_step=bus * 1e3 / steps if steps else None,
         )

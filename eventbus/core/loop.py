@@ -27,6 +27,7 @@ from eventbus.core.delivery import Delivery
 from eventbus.core.handle import BusHandle
 from eventbus.core.inbox import Inbox, publisher
 from eventbus.core.router import Router
+from eventbus.core.shutdown import Shutdown
 from eventbus.core.subscriber import State
 from eventbus.core.worker import thread_state
 from eventbus.events import Event
@@ -35,10 +36,8 @@ from eventbus.stats import BusStats
 
 __all__ = ["BusLoop"]
 
-_TICK = 0.001  # how often shutdown looks whether a subscriber is idle
 
-
-class BusLoop:
+class BusLoop(Shutdown):
     """Owns the bus thread: routing while running, then the ordered, bounded shutdown."""
 
     def __init__(
@@ -252,9 +251,8 @@ class BusLoop:
                 continue
             evt = self._wake_evt
             assert evt is not None
-            if not evt.is_set():
-                with anyio.move_on_after(self.interval):
-                    await evt.wait()
+            with anyio.move_on_after(self.interval):
+                await evt.wait()  # at once if set
             if evt.is_set():
                 self._wake_evt = anyio.Event()
 
@@ -288,110 +286,3 @@ class BusLoop:
                 self._retiring.discard(d)
 
         self._spawn(retire)
-
-    # -- shutdown -----------------------------------------------------------------------
-
-    async def _shutdown(self) -> None:
-        """Close subscribers newest first, each within a fair share of the time left."""
-        assert self._tg is not None
-        routing = anyio.CancelScope()
-        self._tg.start_soon(self._route_while_closing, routing)
-        with anyio.CancelScope() as self._shutdown_scope:
-            await self._end_run()
-            await self._drain_all()
-            closed: set[Delivery] = set()
-            while True:
-                await self.router.drain(force=True)  # attaches late subscribers too
-                todo = [d for d in self.router.deliveries if d not in closed]
-                if not todo:
-                    break
-                d = ([x for x in todo if x.first] or [x for x in todo if not x.last] or todo)[-1]
-                closed.add(d)
-                share = (self.deadline - time.monotonic()) / (len(todo) + len(self._retiring))
-                publisher.set(d.name)
-                await self._close_one(d, time.monotonic() + max(0.0, share))
-            while self._retiring and time.monotonic() < self.deadline:
-                await anyio.sleep(_TICK)
-        for d in tuple(self._retiring):
-            self._hang(d)
-        routing.cancel()
-        self._count_losses()
-
-    async def _end_run(self) -> None:
-        """A run that began (a RunStarted) and did not end: publish its `RunEnded` now, after
-        everything published before the close and before any subscriber closes."""
-        while len(self.inbox) and not self.router.ended:
-            await self.router.drain(force=True)
-        if self.ending is not None and self.router.started and not self.router.ended:
-            self.handle.publish(self.ending())
-
-    async def _drain_all(self) -> None:
-        """Let every subscriber finish its queue, and what the others publish meanwhile.
-
-        Ends early when the only busy ones have sat in one call for a while (hung, or very
-        slow): they still get their share below, and the others are not held up by them.
-        """
-        start = time.monotonic()
-        stop = start + (self.deadline - start) / 2
-        stuck_after = min(1.0, (self.deadline - start) / 10)
-        while time.monotonic() < stop:
-            await self.router.drain(force=True)
-            now = time.monotonic()
-            busy = [d for d in self.router.deliveries if not d.idle]
-            if not len(self.inbox) and all(
-                d.busy_since is not None and now - d.busy_since >= stuck_after for d in busy
-            ):
-                return
-            await anyio.sleep(_TICK)
-
-    async def _route_while_closing(self, scope: anyio.CancelScope) -> None:
-        with scope:
-            while True:
-                await self.router.drain(force=True)
-                await anyio.sleep(_TICK)
-
-    async def _close_one(self, d: Delivery, deadline: float) -> None:
-        """Drain `d`, then its `on_close`, by `deadline`; else name it hung and abandon it.
-
-        Also when the whole shutdown is given up (a second Ctrl-C) while we wait here."""
-        closing = closed = False
-        try:
-            with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
-                while len(self.inbox) or not d.idle:
-                    await anyio.sleep(_TICK)
-                closing = True
-                await d.call_hook("on_close")
-                closed = True
-                d.state = State.CLOSED
-                if d.queue is not None:
-                    d.queue.close()
-                d.worker.stop()
-        finally:
-            if not closed:
-                if closing or d.busy_since is not None:
-                    self._hang(d)  # inside its own code: named
-                else:
-                    d.abandon()  # only waiting its turn: counted, not blamed
-            self.router.refresh()  # nothing is routed to it any more
-
-    def _hang(self, d: Delivery) -> None:
-        lost = d.abandon()
-        d.state = State.HUNG
-        self.hung += (d.name,)
-        get_logger().error(
-            "subscriber did not finish before its close deadline and was abandoned",
-            subscriber=d.name,
-            busy_with=d.busy_with,
-            queued_lost=lost,
-        )
-
-    def _count_losses(self) -> None:
-        """What the inbox and the queues still hold will not be delivered: count it."""
-        self.router.remaining()
-        for d in self.router.deliveries + tuple(self._retiring):
-            if d.state in (State.CLOSED, State.HUNG):
-                continue
-            if d.busy_since is not None:
-                self._hang(d)  # abandoned inside its own code: named
-            else:
-                d.abandon()

@@ -268,6 +268,15 @@ class Sidecar(Reports):
                 f"the sidecar's subscribers did not flush within {self.bus.close_timeout} s"
             )
 
+    def settle(self, timeout: float) -> None:
+        """At close, before any subscriber closes: the sidecar's subscribers handle what they
+        were sent (within `timeout`), and what they published for it is in our inbox when this
+        returns (their status goes before the answer), to reach every subscriber."""
+        if self.gave_up is None and self.remotes:
+            self._removed(None)
+            with contextlib.suppress(RemoteError):  # it died: its loss is counted already
+                self.request(wire.FLUSH, timeout)
+
     def on_close(self) -> None:
         """Close the sidecar's bus (its subscribers drain and close), then let it exit."""
         self._removed(None)

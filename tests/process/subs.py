@@ -331,3 +331,20 @@ class SlowStart(SlowStartNoFlush):
 
     def on_flush(self) -> None:
         self._say("flushed")
+
+
+class Echo:
+    """Answers each Loss with a Scalars of the same step, published from where it runs."""
+
+    events = (Loss,)
+    policy = "block"
+
+    def __init__(self) -> None:
+        self.bus: Any = None
+
+    def on_start(self, bus: BusHandle) -> None:
+        self.bus = bus
+
+    def on_events(self, batch: list[Event]) -> None:
+        for ev in batch:
+            self.bus.publish(Scalars(step=ev.step, values={"echo": 1.0}))

@@ -23,6 +23,7 @@ from tests.process.subs import (
     BigBlob,
     Burner,
     DieOnce,
+    Echo,
     Gate,
     SlowStart,
     SlowStartNoFlush,
@@ -219,6 +220,30 @@ def test_large_events_are_bounded_in_bytes_before_backpressure(
         t.join(120)
         assert done.is_set()
     assert h.stats().delivered == 200  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("drain", [0.002, 0.05])
+def test_what_sidecar_subscribers_publish_reaches_every_sink_before_close(
+    tmp_path: Path, drain: float
+) -> None:
+    """An answer published in the sidecar crosses to the parent, which routes it back to the
+    sidecar's writer: a close right after the last publish must wait for that round trip
+    (it lost every answer of a short run, counted, until close settled the sidecar)."""
+    bus = EventBus(drain_interval=drain, close_timeout=20)
+    bus.subscribe(JsonlWriter(tmp_path))
+    bus.subscribe(Echo(), placement="process")
+    seen = Recorder(events=(Scalars,))
+    bus.subscribe(seen)
+    with bus:
+        for i in range(300):
+            bus.publish(Loss(step=i, value=1.0))
+    st = bus.stats()
+    lines = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
+    echoed = sorted(x["step"] for x in lines if x.get("type") == "Scalars")
+    assert echoed == list(range(300))  # every answer written, in the sidecar
+    assert sorted(ev.step for ev in seen.got) == list(range(300))  # and in-process
+    assert st.sidecar is not None and st.sidecar.lost == 0
+    assert all(s.dropped == 0 and s.failed == 0 for s in st.subscribers.values())
 
 
 def test_a_hung_sidecar_subscriber_never_holds_training_or_its_neighbours(
