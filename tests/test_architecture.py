@@ -91,6 +91,8 @@ LAYERS: dict[str, str] = {
     "eventbus.process": CORE,
     "eventbus.process.channel": CORE,
     "eventbus.process.child": FACADE,  # the sidecar's own bus
+    "eventbus.process.closing": FACADE,  # the sidecar's ending, driven by the bus's close
+    "eventbus.process.handle": FACADE,  # what a sidecar subscriber gets as its bus
     "eventbus.process.errors": CORE,
     "eventbus.process.proxy": CORE,
     "eventbus.process.remote": CORE,

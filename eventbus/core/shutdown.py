@@ -56,6 +56,8 @@ class Shutdown:
                 closed.add(d)
                 share = (self.deadline - time.monotonic()) / (len(todo) + len(self._retiring))
                 publisher.set(d.name)
+                if d.last:  # the sidecar: its subscribers one by one first, in its share
+                    await self._close_parts(d, time.monotonic() + max(0.0, share))
                 await self._close_one(d, time.monotonic() + max(0.0, share))
             while self._retiring and time.monotonic() < self.deadline:
                 await anyio.sleep(TICK)
@@ -99,6 +101,25 @@ class Shutdown:
         for d in [x for x in self.router.deliveries if x.last and x.state == State.RUNNING]:
             await d.call_hook("settle", max(0.0, stop - time.monotonic()))
         return len(self.inbox) > 0 or self.router.routed > routed
+
+    async def _close_parts(self, d: Delivery, deadline: float) -> None:
+        """End the parts of `d` (the sidecar's subscribers, `parts()`: newest first), each in a
+        share of the time left; what one publishes at its close reaches the others (routed,
+        sent and settled) before the next one ends, as in-process subscribers close."""
+        parts = getattr(d.sub, "parts", None)
+        todo = list(parts()) if callable(parts) else []
+        for i, part in enumerate(todo):
+            share = (deadline - time.monotonic()) / (len(todo) - i + 1)  # + 1: the rest after
+            if share <= 0 or d.state != State.RUNNING:
+                return
+            end = time.monotonic() + share
+            await d.call_hook("close_part", part, share)
+            while time.monotonic() < end:
+                await self.router.drain(force=True)
+                if len(self.inbox) or not d.idle:
+                    await anyio.sleep(TICK)
+                elif not await self._sidecar_published(end):
+                    break
 
     async def _route_while_closing(self, scope: anyio.CancelScope) -> None:
         with scope:

@@ -32,6 +32,12 @@ class Subscription:
             State.DISABLED,
         )
 
+    @property
+    def closed(self) -> bool:
+        """Drained and closed (or abandoned as hung) after `remove()` or the bus's close; True
+        when there was nothing to close on this rank."""
+        return self._delivery is None or self._delivery.state in (State.CLOSED, State.HUNG)
+
     def remove(self) -> None:
         """Detach: events published from now on are not routed to it; queued ones still are."""
         if self._delivery is not None:

@@ -23,112 +23,23 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
-from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any
 
 from eventbus.bus import EventBus
-from eventbus.control import Control
-from eventbus.core.inbox import BIG, publisher
-from eventbus.core.sizing import QUICK, not_an_event, published_twice, quick_check
+from eventbus.core.inbox import BIG
+from eventbus.core.sizing import QUICK, quick_check
 from eventbus.core.subscription import Subscription
-from eventbus.core.worker import worker_name
-from eventbus.events import Event, StopRequested
+from eventbus.events import Event
 from eventbus.loader import load_object
-from eventbus.log import LOGGER_NAME, RateLimiter, get_logger
+from eventbus.log import LOGGER_NAME, get_logger
 from eventbus.process import spawn, wire
-from eventbus.stats import BusStats
+from eventbus.process.handle import SidecarHandle
 
-__all__ = ["Host", "SidecarHandle", "describe_error", "main"]
+__all__ = ["Host", "describe_error", "main"]
 
 STATUS_EVERY = 0.25  # seconds between counter reports to the parent (and on demand)
-HELD = 32_768  # events the sidecar's subscribers published, held for the parent at most
 CHUNK = 4096  # of those, sent per message
-_storm_log = RateLimiter(10.0)
-
-
-class SidecarHandle:
-    """What a sidecar subscriber gets as `bus` (a `BusHandle`): what it publishes and the
-    stop/abort requests of its `control` go to the parent bus, which stamps and routes them."""
-
-    def __init__(self, info: wire.StartInfo, wake: threading.Event) -> None:
-        self.rank = info["rank"]
-        self.world_size = info["world_size"]
-        self.local_rank = info["local_rank"]
-        self.rebuilt: set[str] = set()  # subscribers rebuilt after a death, by name
-        self.parent_stats: BusStats | None = None  # sent with the close
-        self.host_stats: Callable[[], BusStats] = lambda: BusStats(0, 0, 0, 0, 0.0, 0)
-        self._wake = wake
-        self._lock = threading.Lock()
-        self._published: list[Event] = []
-        self.dropped = 0  # published beyond HELD before the parent took them: a storm
-        self._requests: list[StopRequested] = []
-        # The one Control class: the StopRequested events it publishes are the requests the
-        # parent replays on its own control (which publishes them on the bus). A relay: the
-        # parent's control holds a save pending until its loop's save_done(), not this one.
-        self.control = Control(self._request, relay=True)
-
-    def publish(self, ev: Event) -> None:
-        """Queue `ev` for the parent bus (sent within a status interval)."""
-        if not isinstance(ev, Event):
-            raise not_an_event(ev)
-        if ev.seq is not None:  # as the training process's bus would say, to the subscriber
-            raise published_twice(ev)
-        if ev.ts is None:
-            ev.ts = time.time_ns()
-        with self._lock:
-            if len(self._published) >= HELD:  # a storm: bounded, as a bus side's share is
-                self.dropped += 1
-                drop = True
-            else:
-                self._published.append(ev)
-                drop = False
-        self._wake.set()
-        if drop:
-            ok, held = _storm_log.allow("storm")
-            if ok:
-                get_logger().error(
-                    "feedback storm in the sidecar: a subscriber publishes faster than the "
-                    "training process takes its events; dropped",
-                    event_type=type(ev).__name__,
-                    dropped=self.dropped,
-                    suppressed_since_last=held,
-                )
-
-    @property
-    def restarted(self) -> bool:
-        """True for a subscriber rebuilt after its sidecar died (asked from its own hooks):
-        it appends to its files and resumes nothing."""
-        return (worker_name() or publisher.get()) in self.rebuilt
-
-    def _request(self, ev: StopRequested) -> None:
-        if ev.source is None:  # the asking subscriber: its worker thread, or its loop task
-            ev.source = worker_name() or publisher.get()
-        with self._lock:
-            self._requests.append(ev)
-        self._wake.set()
-
-    @property
-    def should_stop(self) -> bool:
-        """True once a subscriber here requested a stop or an abort."""
-        return self.control.should_stop
-
-    def stats(self) -> BusStats:
-        """The parent's counters as sent with the close (in-process subscribers final by then)
-        with this sidecar's own subscribers' counters (for a writer's last record)."""
-        here = self.host_stats()
-        if self.parent_stats is None:
-            return here
-        both = {**self.parent_stats.subscribers, **here.subscribers}
-        return replace(self.parent_stats, subscribers=both)
-
-    def take(self) -> tuple[list[Event], list[StopRequested]]:
-        """What was published and requested since the last call."""
-        with self._lock:
-            out = self._published, self._requests
-            self._published, self._requests = [], []
-        return out
 
 
 class LogRelay(logging.Handler):
@@ -268,6 +179,8 @@ class Host:
         try:
             if op == wire.FLUSH:
                 value = self.bus.flush(arg)
+            elif op == wire.END:
+                value = self._end(*arg)
             elif op == wire.STATE:
                 value = self.bus.state_dict()
             elif op == wire.LOAD:
@@ -278,6 +191,21 @@ class Host:
             self._reply(req, describe_error(e), None)
             return
         self._reply(req, None, value)
+
+    def _end(self, rid: int, timeout: float) -> bool | None:
+        """Remove one subscriber and wait (up to `timeout`) until it drained and closed: what it
+        published in its `on_close` goes to the parent with the answer, to reach the others.
+        None: not here (never built)."""
+        sub = self.subs.pop(rid, None)
+        if sub is None:
+            return None
+        sub.remove()
+        deadline = time.monotonic() + timeout
+        while not sub.closed:
+            if time.monotonic() >= deadline:
+                return False  # still at it: the close names it hung if it never finishes
+            time.sleep(0.001)
+        return True
 
     def _reply(self, req: int, error: str | None, value: Any) -> None:
         self._send_status()  # first: what was published and counted before the answer

@@ -19,7 +19,6 @@ import copy
 import os
 import sys
 import threading
-import time
 from collections import Counter
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -34,6 +33,7 @@ from eventbus.events import Event
 from eventbus.log import get_logger
 from eventbus.process import wire
 from eventbus.process.channel import Channel
+from eventbus.process.closing import Closing
 from eventbus.process.errors import RemoteError
 from eventbus.process.proxy import ProcessSubscriber
 from eventbus.process.remote import Remote
@@ -62,7 +62,7 @@ def place(bus: EventBus, sub: Any, o: SubscribeOptions, name: str | None) -> Sub
     return bus._sidecar.subscribe(sub, spec, o, name)
 
 
-class Sidecar(Reports):
+class Sidecar(Closing, Reports):
     """The bus's child process for `placement="process"` subscribers; on the bus side, one
     lossless subscriber (named "sidecar") that forwards what its subscribers want."""
 
@@ -256,48 +256,6 @@ class Sidecar(Reports):
                     if not r.off:
                         r.lost += 1
             return True
-
-    def on_flush(self) -> None:
-        """Every sidecar subscriber handled what came before, and ran its `on_flush`; raises
-        (so `bus.flush()` says False) when they did not within the bus's close timeout."""
-        if self.gave_up is not None:
-            return
-        self._removed(None)  # everything before the flush was sent
-        if self.request(wire.FLUSH, self.bus.close_timeout) is False:
-            raise TimeoutError(
-                f"the sidecar's subscribers did not flush within {self.bus.close_timeout} s"
-            )
-
-    def settle(self, timeout: float) -> None:
-        """At close, before any subscriber closes: the sidecar's subscribers handle what they
-        were sent (within `timeout`), and what they published for it is in our inbox when this
-        returns (their status goes before the answer), to reach every subscriber."""
-        if self.gave_up is None and self.remotes:
-            self._removed(None)
-            with contextlib.suppress(RemoteError):  # it died: its loss is counted already
-                self.request(wire.FLUSH, timeout)
-
-    def on_close(self) -> None:
-        """Close the sidecar's bus (its subscribers drain and close), then let it exit."""
-        self._removed(None)
-        self.closing = True
-        if self.gave_up is None:
-            with contextlib.suppress(RemoteError):
-                parent = self.bus._loop.stats(self.bus._deliveries)  # final but for us
-                # The bus's close deadline, less a margin for the answer to come back: a
-                # sidecar subscriber that hangs is then abandoned there, and named.
-                left = min(self.bus._loop.deadline - time.monotonic(), 1e6)
-                hung = self.request(wire.CLOSE, (max(0.1, left - max(0.5, left / 10)), parent))
-                self.hung = tuple(hung or ())
-                for name in self.hung:
-                    get_logger().error("sidecar subscriber hung at close", subscriber=name)
-        self.release()
-
-    def release(self) -> None:
-        """Let go of the sidecar (it drains, closes its files and exits by itself)."""
-        self.closing = True
-        self.chan.stop()
-        self.chan.finalizer.detach()
 
     def forget_after_fork(self) -> None:
         """In a forked child: close our copy of the socket, never touching the parent's."""

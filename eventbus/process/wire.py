@@ -1,7 +1,8 @@
 """The sidecar channel's message format: events as field tuples, one-byte opcodes.
 
     parent -> sidecar   one byte + payload: S (start, once), A (add a subscriber), R (remove),
-                        B (a batch of events, `pack`ed), F (flush), D (state), L (load), C (close)
+                        B (a batch of events, `pack`ed), F (flush), D (state), L (load),
+                        E (end one subscriber, at close), C (close)
     sidecar -> parent   pickled tuples: ("ready", s), ("ack", bytes), ("added", id, error),
                         ("status", bytes, stats, events, requests, own stats, log records),
                         ("reply", request, error, value)
@@ -33,6 +34,7 @@ __all__ = [
     "ADD",
     "BATCH",
     "CLOSE",
+    "END",
     "FLUSH",
     "LOAD",
     "OP_NAMES",
@@ -49,7 +51,7 @@ __all__ = [
 ]
 
 # Parent -> sidecar opcodes (first byte of each message).
-START, ADD, REMOVE, BATCH, FLUSH, STATE, LOAD, CLOSE = (
+START, ADD, REMOVE, BATCH, FLUSH, STATE, LOAD, END, CLOSE = (
     b"S",
     b"A",
     b"R",
@@ -57,6 +59,7 @@ START, ADD, REMOVE, BATCH, FLUSH, STATE, LOAD, CLOSE = (
     b"F",
     b"D",
     b"L",
+    b"E",
     b"C",
 )
 OP_NAMES = {
@@ -67,6 +70,7 @@ OP_NAMES = {
     FLUSH: "flush",
     STATE: "state_dict",
     LOAD: "load_state_dict",
+    END: "end a subscriber",
     CLOSE: "close",
 }
 

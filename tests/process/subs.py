@@ -348,3 +348,23 @@ class Echo:
     def on_events(self, batch: list[Event]) -> None:
         for ev in batch:
             self.bus.publish(Scalars(step=ev.step, values={"echo": 1.0}))
+
+
+class Summary:
+    """Counts the Loss events it got; publishes the count from its `on_close` only."""
+
+    events = (Loss,)
+    policy = "block"
+
+    def __init__(self) -> None:
+        self.bus: Any = None
+        self.n = 0
+
+    def on_start(self, bus: BusHandle) -> None:
+        self.bus = bus
+
+    def on_events(self, batch: list[Event]) -> None:
+        self.n += len(batch)
+
+    def on_close(self) -> None:
+        self.bus.publish(Scalars(step=None, values={"summary_count": float(self.n)}))

@@ -28,6 +28,7 @@ from tests.process.subs import (
     SlowStart,
     SlowStartNoFlush,
     Storm,
+    Summary,
     Tally,
     WhereAmI,
     gone,
@@ -244,6 +245,31 @@ def test_what_sidecar_subscribers_publish_reaches_every_sink_before_close(
     assert sorted(ev.step for ev in seen.got) == list(range(300))  # and in-process
     assert st.sidecar is not None and st.sidecar.lost == 0
     assert all(s.dropped == 0 and s.failed == 0 for s in st.subscribers.values())
+
+
+def test_what_a_sidecar_subscriber_publishes_at_close_reaches_the_older_ones(
+    tmp_path: Path,
+) -> None:
+    """As in the bus: subscribers close newest first, and what one publishes from `on_close`
+    reaches those still open (the sidecar ends its subscribers one by one, each answer routed
+    back to it), stamped in sequence by the training process."""
+    bus = EventBus(drain_interval=0.002, close_timeout=20)
+    bus.subscribe(JsonlWriter(tmp_path))  # the oldest: in the sidecar, closed last
+    bus.subscribe(Summary(), placement="process")
+    with bus:
+        for i in range(50):
+            bus.publish(Loss(step=i, value=1.0))
+    st = bus.stats()
+    lines = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
+    summary = [x for x in lines if x.get("type") == "Scalars"]
+    assert [x["values"] for x in summary] == [{"summary_count": 50.0}]
+    seqs = [x["seq"] for x in lines if "seq" in x]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)  # the parent stamped it
+    assert st.sidecar is not None and st.sidecar.lost == 0
+    assert {n: (s.state, s.dropped, s.failed) for n, s in st.subscribers.items()} == {
+        "jsonl": ("closed", 0, 0),
+        "Summary": ("closed", 0, 0),
+    }
 
 
 def test_a_hung_sidecar_subscriber_never_holds_training_or_its_neighbours(

@@ -81,7 +81,7 @@ def test_an_event_module_that_exits_on_import_only_makes_the_type_unknown(
 
 def test_opcodes_are_distinct_single_bytes_with_names() -> None:
     ops = [wire.START, wire.ADD, wire.REMOVE, wire.BATCH, wire.FLUSH, wire.STATE, wire.LOAD]
-    ops.append(wire.CLOSE)
+    ops += [wire.END, wire.CLOSE]
     assert all(len(op) == 1 for op in ops)
     assert len(set(ops)) == len(ops)
     assert set(wire.OP_NAMES) == set(ops)
