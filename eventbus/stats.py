@@ -50,6 +50,7 @@ class SidecarStats:
     error: str | None = None  # why it is gone for good, if it is
     storm_dropped: int = 0  # events its subscribers published faster than we took them
     refused: int = 0  # events its subscribers published that this bus refused (logged)
+    late: int = 0  # events its subscribers published in its own close: no subscriber left
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +129,7 @@ def losses(st: BusStats) -> dict[str, Any] | None:
         "sidecar_lost": side.lost if side is not None else 0,
         "sidecar_error": side.error if side is not None else None,
         "sidecar_storm_dropped": side.storm_dropped if side is not None else 0,
+        "sidecar_late": side.late if side is not None else 0,
         "subscribers": subs,
     }
     return out if any(out.values()) else None
@@ -153,5 +155,6 @@ def log_close(st: BusStats) -> None:
             hung=list(st.hung),
             error=st.error,
             sidecar_lost=st.sidecar.lost if st.sidecar is not None else 0,
+            sidecar_late=st.sidecar.late if st.sidecar is not None else 0,
             subscribers=counts,
         )

@@ -141,8 +141,9 @@ class Host:
                 sub.remove()
         elif op == wire.CLOSE:
             req, (timeout, self.handle.parent_stats) = pickle.loads(payload)
+            self.handle.closing = True  # each subscriber was ended already, unless out of time
             st = self.bus.close(timeout)
-            self._reply(req, None, st.hung)
+            self._reply(req, None, (st.hung, self.handle.late))
             return False
         else:
             req, arg = pickle.loads(payload)

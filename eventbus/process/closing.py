@@ -33,6 +33,7 @@ class Closing:
     gave_up: str | None
     closing: bool
     hung: tuple[str, ...]
+    late: int
     _cond: threading.Condition
 
     def request(self, op: bytes, arg: Any) -> Any:
@@ -92,10 +93,18 @@ class Closing:
                 # The bus's close deadline, less a margin for the answer to come back: a
                 # sidecar subscriber that hangs is then abandoned there, and named.
                 left = min(self.bus._loop.deadline - time.monotonic(), 1e6)
-                hung = self.request(wire.CLOSE, (max(0.1, left - max(0.5, left / 10)), parent))
-                self.hung = tuple(hung or ())
+                hung, self.late = self.request(
+                    wire.CLOSE, (max(0.1, left - max(0.5, left / 10)), parent)
+                )
+                self.hung = tuple(hung)
                 for name in self.hung:
                     get_logger().error("sidecar subscriber hung at close", subscriber=name)
+                if self.late:  # ended out of time: they published while all else closed
+                    get_logger().error(
+                        "sidecar subscribers published while the sidecar closed, after every "
+                        "subscriber that could take the events had closed; counted, not sent",
+                        events=self.late,
+                    )
         self.release()
 
     def release(self) -> None:

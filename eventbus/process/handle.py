@@ -40,6 +40,8 @@ class SidecarHandle:
         self._lock = threading.Lock()
         self._published: list[Event] = []
         self.dropped = 0  # published beyond HELD before the parent took them: a storm
+        self.closing = False  # the sidecar's own close began: nothing can take an event now
+        self.late = 0  # published after that: counted, not sent
         self._requests: list[StopRequested] = []
         # The one Control class: the StopRequested events it publishes are the requests the
         # parent replays on its own control (which publishes them on the bus). A relay: the
@@ -55,6 +57,9 @@ class SidecarHandle:
         if ev.ts is None:
             ev.ts = time.time_ns()
         with self._lock:
+            if self.closing:  # the parent's subscribers closed, this sidecar's are closing
+                self.late += 1
+                return
             if len(self._published) >= HELD:  # a storm: bounded, as a bus side's share is
                 self.dropped += 1
                 drop = True

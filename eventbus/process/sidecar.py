@@ -82,6 +82,7 @@ class Sidecar(Closing, Reports):
         self.refused = 0  # events its subscribers published that our bus refused
         self.storm_base = 0  # storm drops of sidecars that died
         self.hung: tuple[str, ...] = ()  # its subscribers abandoned at close
+        self.late = 0  # events its subscribers published in its own close: reached no one
         self.closing = False
         self._routes: dict[type, tuple[Remote, ...]] = {}
         self._cut: int | None = None  # the first seq a removed subscriber no longer gets
@@ -351,4 +352,5 @@ class Sidecar(Closing, Reports):
             error=self.gave_up,
             storm_dropped=self.storm_base + chan.storm_dropped,
             refused=self.refused,
+            late=self.late,
         )

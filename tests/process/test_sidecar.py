@@ -18,6 +18,7 @@ from eventbus import EventBus
 from eventbus.events import Loss, SaveRequested, Scalars, StopRequested
 from eventbus.process import ProcessSubscriber
 from eventbus.sinks import JsonlWriter, TensorBoardSink
+from eventbus.stats import losses
 from tests.conftest import Recorder
 from tests.process.subs import (
     BigBlob,
@@ -405,3 +406,30 @@ def test_flush_waits_for_a_slow_on_start(
         *(["step 1"] if publish else []),
         *(["flushed"] if hook else []),
     ]
+
+
+def test_what_sidecar_subscribers_publish_in_its_own_close_is_counted_late(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A hung lossless neighbour holds the sidecar's router past the close's shares, so Echo
+    gets its events only in the sidecar's own close, when no subscriber can take its answers
+    any more: they are counted (`late`), logged and in the close report, never silent."""
+    bus = EventBus(drain_interval=0.002, close_timeout=20)
+    bus.subscribe(JsonlWriter(tmp_path))
+    bus.subscribe(Echo(), placement="process")
+    bus.subscribe(
+        Gate(str(tmp_path / "never")), events=[Loss], placement="process", maxsize=5, max_batch=1
+    )
+    bus.start()
+    for i in range(100):
+        bus.publish(Loss(step=i, value=1.0))
+    with caplog.at_level(logging.WARNING, logger="eventbus"):
+        st = bus.close(timeout=1.0)
+    lines = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
+    written = sum(1 for x in lines if x.get("type") == "Scalars")
+    assert st.sidecar is not None
+    assert st["Echo"].delivered == 100  # type: ignore[index]
+    assert written + st.sidecar.late == 100  # every answer written, or counted late
+    assert st.sidecar.late > 0  # this close was too short for the hang (it is the point)
+    assert losses(st)["sidecar_late"] == st.sidecar.late  # type: ignore[index]
+    assert any("counted, not sent" in r.getMessage() for r in caplog.records)
