@@ -148,3 +148,19 @@ def test_short_names_build_them_from_a_spec() -> None:
     assert (s.metric, s.patience, s.min_delta, s.mode) == ("eval_loss", 3, 0.01, "min")
     t = subscriber_from_spec("threshold_stop:metric=eval/accuracy,threshold=0.9,mode=max")
     assert isinstance(t, ThresholdStopper) and t.threshold == 0.9 and t.mode == "max"
+
+
+def test_a_training_loss_stopper_ignores_the_evaluation_s_loss() -> None:
+    bus = _bus()
+    train = ThresholdStopper("loss", 1.0)
+    patient = EarlyStopper("loss", patience=1)
+    for s in (train, patient):
+        bus.subscribe(s)
+    with bus:
+        bus.publish(Loss(step=1, value=2.0))
+        bus.publish(EvalEnded(step=1, metrics={"loss": 0.5}))  # below the threshold: not ours
+        bus.publish(EvalEnded(step=2, metrics={"loss": 9.0}))  # worse: not counted either
+        bus.flush()
+        assert not bus.should_stop
+    assert (train.best, train.stopped_at) == (2.0, None)
+    assert (patient.best, patient.bad, patient.stopped_at) == (2.0, 0, None)
