@@ -5,6 +5,9 @@ Both read one metric named as in `eventbus.monitors._metric` ("loss", "eval_loss
 When their rule holds they call `bus.control.request_stop(reason, source=name, step=step)`:
 the loop sees `bus.should_stop` at its next check. Their state (best value, values without
 improvement) survives `bus.state_dict()` / `load_state_dict()`, so a resumed run goes on counting.
+A metric that never shows up is said in the log (at the first evaluation without it, and at
+close), with the names that did show up: a misspelt name must not pass for a run that never
+needed stopping.
 """
 
 from __future__ import annotations
@@ -69,6 +72,9 @@ class _Stopper:
         self.stopped_at: int | None = None  # the step of the first stop request
         self.stop_reason: str | None = None
         self._auto_step = 0
+        self._values = 0  # values of the metric this run (not state: a resume counts afresh)
+        self._names: set[str] = set()  # names that did show up, while the metric did not
+        self._told = False
 
     def on_start(self, bus: BusHandle) -> None:
         """Keep the bus to request a stop through."""
@@ -79,7 +85,34 @@ class _Stopper:
         for ev in batch:
             value = metric_value(ev, self.metric, self.split)
             if value is not None:
+                self._values += 1
                 self.update(value, ev.step)
+            elif not self._values:
+                self._note_names(ev)
+
+    def on_close(self) -> None:
+        """Say so if the metric never showed up: this stopper could not have stopped the run."""
+        if not self._values:
+            self._missing("no value of the metric arrived in this run")
+
+    def _note_names(self, ev: Event) -> None:
+        names = ev.values if isinstance(ev, Scalars) else getattr(ev, "metrics", None) or ()
+        if len(self._names) < 50:
+            self._names.update(k for k in names if isinstance(k, str))
+        if isinstance(ev, Loss):
+            self._names.add("loss" if ev.split == "train" else f"{ev.split}_loss")
+        if isinstance(ev, EvalEnded) and not self._told:
+            self._told = True  # once: an evaluation is where an eval metric would be
+            self._missing(f"an EvalEnded at step {ev.step} did not carry it")
+
+    def _missing(self, what: str) -> None:
+        get_logger().warning(
+            f"{getattr(self, 'name', type(self).__name__)}: metric {self.metric!r} not found: "
+            f"{what}; check its name (docs/monitors.md, 'Metric names')",
+            metric=self.metric,
+            split=self.split,
+            names_seen=sorted(self._names)[:50],
+        )
 
     def update(self, value: float, step: int | None = None) -> bool:
         """Add one value (at `step`, else one past the last); True if it asks to stop."""

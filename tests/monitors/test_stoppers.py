@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import structlog
 import torch
 
 from eventbus import EventBus
@@ -164,3 +165,25 @@ def test_a_training_loss_stopper_ignores_the_evaluation_s_loss() -> None:
         assert not bus.should_stop
     assert (train.best, train.stopped_at) == (2.0, None)
     assert (patient.best, patient.bad, patient.stopped_at) == (2.0, 0, None)
+
+
+def test_a_metric_that_never_shows_up_is_said_with_the_names_that_did() -> None:
+    bus = _bus()
+    typo = EarlyStopper("eval_acc", patience=2, mode="max")
+    found = ThresholdStopper("accuracy", 0.99, mode="max")
+    bus.subscribe(typo)
+    bus.subscribe(found)
+    with structlog.testing.capture_logs() as logs, bus:
+        bus.publish(Loss(step=1, value=2.0))
+        bus.publish(EvalEnded(step=1, metrics={"accuracy": 0.5}))
+        bus.publish(EvalEnded(step=2, metrics={"accuracy": 0.6}))
+    missing = [e for e in logs if "not found" in e["event"]]
+    assert [e["event"].split(": ", 2)[2] for e in missing] == [
+        "an EvalEnded at step 1 did not carry it; check its name (docs/monitors.md, "
+        "'Metric names')",
+        "no value of the metric arrived in this run; check its name (docs/monitors.md, "
+        "'Metric names')",
+    ]
+    assert all(e["metric"] == "eval_acc" and e["log_level"] == "warning" for e in missing)
+    assert missing[-1]["names_seen"] == ["accuracy"]
+    assert found.best == 0.6  # the one whose metric arrived says nothing
