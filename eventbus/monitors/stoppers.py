@@ -180,7 +180,8 @@ class _Stopper:
 
 class ThresholdStopper(_Stopper):
     """Stops once `metric` reaches `threshold`: at or below it in mode "min" (a loss low
-    enough), at or above it in mode "max" (an accuracy high enough). NaN never reaches it.
+    enough), at or above it in mode "max" (an accuracy high enough). NaN and ±Inf never
+    reach it: a loss of -inf is broken, not low enough.
 
     `split` is the `Loss.split` that metric "loss" means (docs/monitors.md names the rest).
     """
@@ -196,7 +197,7 @@ class ThresholdStopper(_Stopper):
     def _rule(self, step: int, value: float) -> str | None:
         self._note_best(step, value)
         reached = value <= self.threshold if self.mode == "min" else value >= self.threshold
-        if not reached:
+        if not reached or not math.isfinite(value):
             return None
         op = "<=" if self.mode == "min" else ">="
         return f"{self.metric} reached {value:.6g} ({op} {self.threshold:.6g}) at step {step}"

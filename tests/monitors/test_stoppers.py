@@ -187,3 +187,12 @@ def test_a_metric_that_never_shows_up_is_said_with_the_names_that_did() -> None:
     assert all(e["metric"] == "eval_acc" and e["log_level"] == "warning" for e in missing)
     assert missing[-1]["names_seen"] == ["accuracy"]
     assert found.best == 0.6  # the one whose metric arrived says nothing
+
+
+def test_infinities_never_reach_a_threshold() -> None:
+    low = ThresholdStopper("loss", 0.1)
+    assert not low.update(-math.inf, 1)  # a broken loss, not a low enough one
+    high = ThresholdStopper("eval/accuracy", 0.9, mode="max")
+    assert not high.update(math.inf, 1)
+    assert (low.stopped_at, high.stopped_at) == (None, None)
+    assert high.update(0.95, 2)
