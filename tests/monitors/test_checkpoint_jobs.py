@@ -154,6 +154,38 @@ def test_a_timeout_kills_the_job_and_counts_it(tmp_path: Path) -> None:
         os.kill(int(pid_file.read_text()), 0)
 
 
+def _gone(pid: int) -> bool:
+    """No such process, or a zombie waiting for whoever adopted it: it runs no more."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_timeout_kills_what_the_job_started_too(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    jobs = CheckpointJobs(  # a job that starts a worker of its own, as a shell or torchrun does
+        command=_script(
+            f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); "
+            "time.sleep(60)"
+        ),
+        timeout=3.0,  # both interpreters start well before
+    )
+    bus = _bus()
+    bus.subscribe(jobs)
+    with bus:
+        bus.publish(CheckpointSaved(step=1, path="ckpt-1"))
+    assert "timed out after 3 s and was killed" in jobs.failures[0]
+    pid = int(pid_file.read_text())
+    try:
+        _until(lambda: _gone(pid), "the job's own child to be killed", timeout=10)
+    finally:
+        if not _gone(pid):
+            os.kill(pid, 9)
+
+
 def test_concurrency_is_bounded_and_the_queue_drops_the_oldest(tmp_path: Path) -> None:
     body = (  # each job says it started, then waits for its own go-file
         "import json, os, pathlib, sys, time\n"
