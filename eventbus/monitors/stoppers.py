@@ -44,6 +44,7 @@ class _Stopper:
 
     events: tuple[type[Event], ...] = (Loss, Scalars, EvalEnded, OptimizerStepped)
     policy: ClassVar[str] = "block"  # counting values: every one must arrive
+    _one_per_step: ClassVar[bool] = False
 
     def __init__(self, metric: str, mode: Mode, split: str) -> None:
         if not isinstance(metric, str) or not metric:
@@ -86,6 +87,8 @@ class _Stopper:
             value = metric_value(ev, self.metric, self.split)
             if value is not None:
                 self._values += 1
+                if self._one_per_step and ev.step is not None and ev.step + 1 == self._auto_step:
+                    continue  # this step's value again, from another event (see EarlyStopper)
                 self.update(value, ev.step)
             elif not self._values:
                 self._note_names(ev)
@@ -208,10 +211,13 @@ class EarlyStopper(_Stopper):
 
     An improvement beats the best so far by more than `min_delta` (lower in mode "min",
     higher in mode "max"); NaN and Inf never improve. `patience` counts values of the
-    metric: evaluations for an eval metric, steps for a per-step training loss.
+    metric: evaluations for an eval metric, steps for a per-step training loss. A step
+    counts once: the same evaluation often arrives twice (the HF Trainer logs "eval_loss",
+    published as `Scalars`, then reports it, published as `EvalEnded`).
     """
 
     name = "EarlyStopper"
+    _one_per_step = True
 
     def __init__(
         self,

@@ -196,3 +196,17 @@ def test_infinities_never_reach_a_threshold() -> None:
     assert not high.update(math.inf, 1)
     assert (low.stopped_at, high.stopped_at) == (None, None)
     assert high.update(0.95, 2)
+
+
+def test_an_evaluation_published_twice_counts_once() -> None:
+    # The HF bridge publishes an evaluation as Scalars (the Trainer's log) and as EvalEnded.
+    bus = _bus()
+    s = EarlyStopper("eval_loss", patience=3)
+    bus.subscribe(s)
+    with bus:
+        for step, v in ((100, 1.0), (200, 1.1), (300, 1.2)):
+            bus.publish(Scalars(step=step, values={"eval_loss": v, "epoch": 1.0}))
+            bus.publish(EvalEnded(step=step, metrics={"eval_loss": v, "loss": v}))
+        bus.flush()
+        assert not bus.should_stop  # two evaluations without improvement, not four values
+    assert (s.best, s.bad, s.stopped_at) == (1.0, 2, None)
