@@ -49,6 +49,23 @@ __all__ = ["ProfileWindows", "profile"]
 _RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
 _OURS = ("schedule", "on_trace_ready", "acc_events", "activities")
 _Job = tuple[Any, list[int], int]  # the window's autograd profile, its steps, its index
+# What the table may be sorted by: torch's FunctionEventAvg fields ("cuda"/"xpu" read "device").
+_SORT_KEYS = frozenset(
+    (
+        "count",
+        "cpu_time",
+        "cpu_time_total",
+        "self_cpu_time_total",
+        "device_time",
+        "device_time_total",
+        "self_device_time_total",
+        "cpu_memory_usage",
+        "self_cpu_memory_usage",
+        "device_memory_usage",
+        "self_device_memory_usage",
+        "flops",
+    )
+)
 
 
 class ProfileWindows:
@@ -83,7 +100,7 @@ class ProfileWindows:
         self.options = options
         self.saved: list[ProfileSaved] = []
         self.dropped = 0  # windows the writer could not take (it held max_pending already)
-        self.failed = 0  # windows whose export raised
+        self.failed = 0  # windows whose export or table raised
         self.profiler: torch.profiler.profile | None = None
         self._jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=max_pending)
         self._writer: threading.Thread | None = None
@@ -202,12 +219,22 @@ class ProfileWindows:
         t0 = time.perf_counter()
         result.export_chrome_trace(str(path))  # Kineto's C++ writer
         del result  # the window's buffers go now, not at the next job
+        table = ""
         if self.table:
-            self._write_table(path, table_path)
+            try:
+                self._write_table(path, table_path)
+                table = os.fspath(table_path)
+            except Exception as e:  # the trace is written: the event still says where
+                self.failed += 1
+                get_logger().error(
+                    "profile(): the window's table failed; its trace is saved",
+                    path=os.fspath(path),
+                    error=repr(e),
+                )
         ev = ProfileSaved(
             step=last,
             path=os.fspath(path),
-            table_path=os.fspath(table_path) if self.table else "",
+            table_path=table,
             first_step=steps[0] if steps else None,
             steps=len(steps),
         )
@@ -262,6 +289,12 @@ def profile(
         raise TypeError(
             "schedule must be torch.profiler.schedule(wait=..., warmup=..., active=..., "
             f"repeat=...); got {schedule!r:.80}"
+        )
+    key = (sort_by or "").replace("cuda", "device").replace("xpu", "device")
+    if sort_by is not None and key not in _SORT_KEYS:
+        raise ValueError(
+            f"sort_by must be one of {', '.join(sorted(_SORT_KEYS))} (torch's table columns; "
+            f"'cuda' for 'device' too); got {sort_by!r}"
         )
     for name, v in (("row_limit", row_limit), ("max_pending", max_pending)):
         if type(v) is not int or v < 1:

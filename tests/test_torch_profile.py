@@ -162,6 +162,9 @@ def test_bad_arguments_are_clear(tmp_path: Path) -> None:
         profile(bus, on_trace_ready=print)
     with pytest.raises(ValueError, match="row_limit must be an int >= 1"):
         profile(bus, row_limit=0)
+    with pytest.raises(ValueError, match="sort_by must be one of count, cpu_memory_usage"):
+        profile(bus, sort_by="self_cpu_time")  # a typo: every window's table would fail
+    assert profile(bus, sort_by="self_cuda_time_total").sort_by == "self_cuda_time_total"
     with pytest.raises(TypeError, match="ProfilerActivity"):
         profile(bus, activities=["cpu"])  # type: ignore[list-item]
     blocker = tmp_path / "file"
@@ -179,3 +182,20 @@ def test_the_cost_benchmark_runs() -> None:
     assert out["ops"] > 1000 and out["window_end_ms"] > 0
     for name in ("trace", "table", "child"):
         assert out[name]["work_s"] > 0, name
+
+
+def test_a_table_that_fails_leaves_the_trace_said_and_counted(tmp_path: Path) -> None:
+    bus, rec = _bus(), Recorder(events=[ProfileSaved])
+    bus.subscribe(rec)
+    model = _model()
+    (tmp_path / "rank0.window1.step2.table.txt").mkdir()  # the table cannot be written there
+    sched = torch.profiler.schedule(wait=0, warmup=1, active=1, repeat=1)
+    with bus, profile(bus, schedule=sched, out_dir=tmp_path) as p:
+        for step in range(1, 4):
+            with bus.step(step):
+                _work(model)
+    assert p.failed == 1
+    (ev,) = rec.got
+    assert isinstance(ev, ProfileSaved) and ev.table_path == ""
+    assert ev.path == str(tmp_path / "rank0.window1.step2.pt.trace.json")
+    assert Path(ev.path).stat().st_size > 0

@@ -19,7 +19,7 @@ from eventbus.core.cost import cpu_timed
 from eventbus.core.markers import Markers
 from eventbus.core.queue import SubscriberQueue
 from eventbus.core.strict import FirstFailure
-from eventbus.core.subscriber import State, SubscriberGone, is_async, takes_argument
+from eventbus.core.subscriber import State, SubscriberGone, failed_part, is_async, takes_argument
 from eventbus.core.worker import ThreadWorker
 from eventbus.events import Event
 from eventbus.log import RateLimiter, get_logger
@@ -198,7 +198,9 @@ class Delivery:
         except BaseException as e:
             if _own_cancellation(e):
                 raise
-            self._failed(e, first, n)
+            k = failed_part(e, n)  # the rest of the batch was handled (side by side jobs)
+            self._ok(n - k)
+            self._failed(e, first, k)
             return e
         self._ok(n)
         return None
@@ -296,7 +298,7 @@ class Delivery:
     # -- accounting -------------------------------------------------------------------------
 
     def _ok(self, n: int) -> None:
-        if self._abandoned:  # counted as lost when the bus gave up on it
+        if self._abandoned or not n:  # counted as lost when the bus gave up on it
             return
         self._batch_done += n
         self.delivered += n

@@ -19,6 +19,7 @@ __all__ = [
     "SubscriberGone",
     "describe",
     "event_types",
+    "failed_part",
     "is_async",
     "positive",
     "subscribe_options",
@@ -63,6 +64,17 @@ def event_types(spec: Any) -> tuple[type[Event], ...]:
         if not (isinstance(t, type) and issubclass(t, Event)):
             raise TypeError(f"events= takes Event subclasses (e.g. events=[Loss]); got {t!r}")
     return items
+
+
+def failed_part(exc: BaseException, n: int) -> int:
+    """How many of a batch of `n` events a failure lost: its `events_failed` (an int from 1 to
+    `n`: a batch whose events run side by side, `CheckpointJobs`' jobs, may fail in part), else
+    all `n`. Read from anything a subscriber raised, so it never raises itself."""
+    try:
+        k = getattr(exc, "events_failed", None)
+    except BaseException:  # a user's exception with a __getattr__ of its own
+        return n
+    return k if type(k) is int and 0 < k <= n else n
 
 
 def unique_name(base: str, taken: set[str]) -> str:

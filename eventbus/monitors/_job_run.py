@@ -8,10 +8,12 @@ the job said (its stderr tail, its traceback).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -62,7 +64,9 @@ async def run_command(argv: Sequence[str], env: dict[str, str], cwd: str | None)
     out: list[bytes] = []
     err: list[bytes] = []
     try:
-        process = await anyio.open_process(list(argv), env=env, cwd=cwd)
+        # A session of its own: a timeout kills what the job started too (a shell's children,
+        # torchrun's workers), not only the job; and a Ctrl-C at the terminal is ours to handle.
+        process = await anyio.open_process(list(argv), env=env, cwd=cwd, start_new_session=True)
     except OSError as e:
         raise JobFailed(f"cannot run {argv[0]!r}: {e}") from None
     try:
@@ -70,6 +74,10 @@ async def run_command(argv: Sequence[str], env: dict[str, str], cwd: str | None)
             tg.start_soon(_tail, process.stdout, _STDOUT_TAIL, out)
             tg.start_soon(_tail, process.stderr, _STDERR_TAIL, err)
             code = await process.wait()
+    except BaseException:  # cancelled (a timeout, the close deadline): the whole group goes
+        with contextlib.suppress(OSError):
+            os.killpg(process.pid, signal.SIGKILL)  # its leader's pid names the group
+        raise
     finally:
         with anyio.CancelScope(shield=True), anyio.move_on_after(5):
             if process.returncode is None:  # cancelled (timeout, close deadline): kill it

@@ -7,6 +7,9 @@
     any name                    Scalars.values[name], EvalEnded.metrics[name]; and, for
                                 "eval_<key>" / "eval/<key>", EvalEnded.metrics[<key>]
 
+An evaluation's "loss" is the eval loss: metric "loss" of a split other than "eval" (the
+training loss) does not read `EvalEnded.metrics["loss"]`.
+
 `DivergenceDetector` and the stoppers read names through this one table. Values reach
 monitors as host floats: tensors were captured at publish.
 """
@@ -42,6 +45,8 @@ def metric_value(ev: Event, metric: str, split: str = "train") -> float | None:
     elif isinstance(ev, Scalars):
         raw = ev.values.get(metric)
     elif isinstance(ev, EvalEnded):
+        if metric == "loss" and split != "eval":
+            return None  # an evaluation's loss is not the training loss
         raw = ev.metrics.get(metric)
         if raw is None and metric.startswith(_EVAL_PREFIXES):
             raw = ev.metrics.get(metric[5:])

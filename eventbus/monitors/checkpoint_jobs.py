@@ -7,9 +7,10 @@ Each job runs in a process of its own (a subprocess for a command; a spawned int
 a function), awaited on the bus's loop, never on the training thread. What it reports comes
 back as `EvalEnded(step=<the checkpoint's step>, metrics=...)`: the command's last stdout line
 (a JSON object), or the dict the function returned. A job that fails (non-zero exit, an
-exception, unusable output, a timeout) fails its batch: the bus counts and logs it as any
-subscriber's failure. Up to `max_concurrent` jobs run at once (a batch); up to `max_queued`
-checkpoints wait in the queue beyond them, and past that the oldest is dropped, counted.
+exception, unusable output, a timeout) is counted `failed` and logged as any subscriber's
+failure; the jobs that ran beside it and succeeded count as delivered. Up to
+`max_concurrent` jobs run at once (a batch); up to `max_queued` checkpoints wait in the queue
+beyond them, and past that the oldest is dropped, counted.
 """
 
 from __future__ import annotations
@@ -34,7 +35,13 @@ __all__ = ["CheckpointJobError", "CheckpointJobs"]
 
 
 class CheckpointJobError(RuntimeError):
-    """One or more jobs of a batch failed; the message names each checkpoint and why."""
+    """One or more jobs of a batch failed; the message names each checkpoint and why.
+
+    `events_failed`: how many; the bus counts the batch's other jobs delivered."""
+
+    def __init__(self, failed: list[str]) -> None:
+        super().__init__("; ".join(failed))
+        self.events_failed = len(failed)
 
 
 class CheckpointJobs:
@@ -95,7 +102,7 @@ class CheckpointJobs:
         failed = [e for e in errors if e is not None]
         if failed:
             self.failures += failed
-            raise CheckpointJobError("; ".join(failed))
+            raise CheckpointJobError(failed)
 
     async def _job(self, ev: CheckpointSaved, errors: list[str | None], i: int) -> None:
         t0 = time.monotonic()

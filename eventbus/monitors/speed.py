@@ -113,7 +113,8 @@ class SpeedMonitor:
             if isinstance(ev, StepEnded) and ev.step is not None:
                 self.update(ev)
             elif isinstance(ev, RunStarted):
-                self._run_total = ev.total_steps if type(ev.total_steps) is int else None
+                n = ev.total_steps  # 0 or less (unknown, a placeholder) is no total: no ETA
+                self._run_total = n if type(n) is int and n > 0 else None
 
     def on_close(self) -> None:
         """Publish what the last `every` steps left unpublished."""

@@ -5,6 +5,9 @@ Both read one metric named as in `eventbus.monitors._metric` ("loss", "eval_loss
 When their rule holds they call `bus.control.request_stop(reason, source=name, step=step)`:
 the loop sees `bus.should_stop` at its next check. Their state (best value, values without
 improvement) survives `bus.state_dict()` / `load_state_dict()`, so a resumed run goes on counting.
+A metric that never shows up is said in the log (at the first evaluation without it, and at
+close), with the names that did show up: a misspelt name must not pass for a run that never
+needed stopping.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class _Stopper:
 
     events: tuple[type[Event], ...] = (Loss, Scalars, EvalEnded, OptimizerStepped)
     policy: ClassVar[str] = "block"  # counting values: every one must arrive
+    _one_per_step: ClassVar[bool] = False
 
     def __init__(self, metric: str, mode: Mode, split: str) -> None:
         if not isinstance(metric, str) or not metric:
@@ -69,6 +73,9 @@ class _Stopper:
         self.stopped_at: int | None = None  # the step of the first stop request
         self.stop_reason: str | None = None
         self._auto_step = 0
+        self._values = 0  # values of the metric this run (not state: a resume counts afresh)
+        self._names: set[str] = set()  # names that did show up, while the metric did not
+        self._told = False
 
     def on_start(self, bus: BusHandle) -> None:
         """Keep the bus to request a stop through."""
@@ -79,7 +86,36 @@ class _Stopper:
         for ev in batch:
             value = metric_value(ev, self.metric, self.split)
             if value is not None:
+                self._values += 1
+                if self._one_per_step and ev.step is not None and ev.step + 1 == self._auto_step:
+                    continue  # this step's value again, from another event (see EarlyStopper)
                 self.update(value, ev.step)
+            elif not self._values:
+                self._note_names(ev)
+
+    def on_close(self) -> None:
+        """Say so if the metric never showed up: this stopper could not have stopped the run."""
+        if not self._values:
+            self._missing("no value of the metric arrived in this run")
+
+    def _note_names(self, ev: Event) -> None:
+        names = ev.values if isinstance(ev, Scalars) else getattr(ev, "metrics", None) or ()
+        if len(self._names) < 50:
+            self._names.update(k for k in names if isinstance(k, str))
+        if isinstance(ev, Loss):
+            self._names.add("loss" if ev.split == "train" else f"{ev.split}_loss")
+        if isinstance(ev, EvalEnded) and not self._told:
+            self._told = True  # once: an evaluation is where an eval metric would be
+            self._missing(f"an EvalEnded at step {ev.step} did not carry it")
+
+    def _missing(self, what: str) -> None:
+        get_logger().warning(
+            f"{getattr(self, 'name', type(self).__name__)}: metric {self.metric!r} not found: "
+            f"{what}; check its name (docs/monitors.md, 'Metric names')",
+            metric=self.metric,
+            split=self.split,
+            names_seen=sorted(self._names)[:50],
+        )
 
     def update(self, value: float, step: int | None = None) -> bool:
         """Add one value (at `step`, else one past the last); True if it asks to stop."""
@@ -147,7 +183,8 @@ class _Stopper:
 
 class ThresholdStopper(_Stopper):
     """Stops once `metric` reaches `threshold`: at or below it in mode "min" (a loss low
-    enough), at or above it in mode "max" (an accuracy high enough). NaN never reaches it.
+    enough), at or above it in mode "max" (an accuracy high enough). NaN and ±Inf never
+    reach it: a loss of -inf is broken, not low enough.
 
     `split` is the `Loss.split` that metric "loss" means (docs/monitors.md names the rest).
     """
@@ -163,7 +200,7 @@ class ThresholdStopper(_Stopper):
     def _rule(self, step: int, value: float) -> str | None:
         self._note_best(step, value)
         reached = value <= self.threshold if self.mode == "min" else value >= self.threshold
-        if not reached:
+        if not reached or not math.isfinite(value):
             return None
         op = "<=" if self.mode == "min" else ">="
         return f"{self.metric} reached {value:.6g} ({op} {self.threshold:.6g}) at step {step}"
@@ -174,10 +211,13 @@ class EarlyStopper(_Stopper):
 
     An improvement beats the best so far by more than `min_delta` (lower in mode "min",
     higher in mode "max"); NaN and Inf never improve. `patience` counts values of the
-    metric: evaluations for an eval metric, steps for a per-step training loss.
+    metric: evaluations for an eval metric, steps for a per-step training loss. A step
+    counts once: the same evaluation often arrives twice (the HF Trainer logs "eval_loss",
+    published as `Scalars`, then reports it, published as `EvalEnded`).
     """
 
     name = "EarlyStopper"
+    _one_per_step = True
 
     def __init__(
         self,

@@ -182,3 +182,44 @@ def test_a_flush_waits_for_on_start() -> None:
             sub.gate.set()
             assert bus.flush()
             assert sub.opened
+
+
+class _PartFailed(Exception):
+    def __init__(self, k: object) -> None:
+        super().__init__(f"{k!r} of the batch failed")
+        self.events_failed = k
+
+
+class _Lying(Exception):
+    def __getattr__(self, name: str) -> Any:
+        if name == "events_failed":
+            raise RuntimeError("no such attribute here")
+        raise AttributeError(name)
+
+
+@pytest.mark.parametrize(
+    ("exc", "delivered", "failed"),
+    [
+        (_PartFailed(1), 2, 1),  # one of three failed: two were handled
+        (_PartFailed(3), 0, 3),
+        (_PartFailed(0), 0, 3),  # out of range, or not an int: the whole batch
+        (_PartFailed(7), 0, 3),
+        (_PartFailed(True), 0, 3),
+        (_PartFailed("1"), 0, 3),
+        (_Lying(), 0, 3),
+        (ValueError(), 0, 3),
+    ],
+)
+def test_a_batch_may_fail_in_part(exc: BaseException, delivered: int, failed: int) -> None:
+    class Sub:
+        async def on_events(self, batch: list[Event]) -> None:
+            raise exc
+
+    d = Delivery(Sub(), name="part")
+
+    async def main() -> BaseException | None:
+        return await d.deliver([Loss(step=i, value=1.0) for i in range(3)])
+
+    assert asyncio.run(main()) is exc
+    d.worker.stop()
+    assert (d.delivered, d.failed) == (delivered, failed)

@@ -110,6 +110,30 @@ def test_failures_are_counted_like_any_subscriber_s(jobs: CheckpointJobs, why: s
     assert rec.got == []
 
 
+def test_in_a_batch_only_the_jobs_that_failed_count_failed(tmp_path: Path) -> None:
+    body = (  # c1 waits for its go-file, so that c2 and c3 queue and run as one batch
+        "import json, os, pathlib, sys, time\n"
+        "p = pathlib.Path(sys.argv[1]); (p.parent / (p.name + '.started')).touch()\n"
+        "while p.name == 'c1' and not os.path.exists(sys.argv[1] + '.go'): time.sleep(0.01)\n"
+        "sys.exit(3) if p.name.endswith('bad') else print(json.dumps({'ok': 1}))"
+    )
+    jobs = CheckpointJobs(command=_script(body), max_concurrent=2)
+    bus, rec = _bus(), Recorder(events=[EvalEnded])
+    bus.subscribe(rec)
+    bus.subscribe(jobs)
+    with bus:
+        bus.publish(CheckpointSaved(step=1, path=str(tmp_path / "c1")))
+        _until((tmp_path / "c1.started").exists, "job 1 to start")
+        bus.publish(CheckpointSaved(step=2, path=str(tmp_path / "c2")))
+        bus.publish(CheckpointSaved(step=3, path=str(tmp_path / "c3-bad")))
+        _until(lambda: bus.stats()["checkpoint_jobs"].published == 3, "jobs 2 and 3 to queue")
+        (tmp_path / "c1.go").touch()
+    st = bus.stats()["checkpoint_jobs"]
+    assert (st.delivered, st.failed) == (2, 1)  # job 2 ran beside job 3 and succeeded
+    assert sorted(e.step for e in rec.got if isinstance(e, EvalEnded)) == [1, 2]
+    assert [f.split(" (")[0] for f in jobs.failures] == ["checkpoint job for step 3"]
+
+
 def test_a_timeout_kills_the_job_and_counts_it(tmp_path: Path) -> None:
     pid_file = tmp_path / "pid"
     jobs = CheckpointJobs(
@@ -128,6 +152,38 @@ def test_a_timeout_kills_the_job_and_counts_it(tmp_path: Path) -> None:
     assert "timed out after 3 s and was killed" in jobs.failures[0]
     with pytest.raises(ProcessLookupError):  # killed and reaped before the failure was counted
         os.kill(int(pid_file.read_text()), 0)
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or a zombie waiting for whoever adopted it: it runs no more."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_timeout_kills_what_the_job_started_too(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    jobs = CheckpointJobs(  # a job that starts a worker of its own, as a shell or torchrun does
+        command=_script(
+            f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); "
+            "time.sleep(60)"
+        ),
+        timeout=3.0,  # both interpreters start well before
+    )
+    bus = _bus()
+    bus.subscribe(jobs)
+    with bus:
+        bus.publish(CheckpointSaved(step=1, path="ckpt-1"))
+    assert "timed out after 3 s and was killed" in jobs.failures[0]
+    pid = int(pid_file.read_text())
+    try:
+        _until(lambda: _gone(pid), "the job's own child to be killed", timeout=10)
+    finally:
+        if not _gone(pid):
+            os.kill(pid, 9)
 
 
 def test_concurrency_is_bounded_and_the_queue_drops_the_oldest(tmp_path: Path) -> None:

@@ -37,3 +37,12 @@ def test_values_by_name() -> None:
     assert metric_value(OptimizerStepped(lr=0.1, grad_norm=2.0), "grad_norm") == 2.0
     assert metric_value(OptimizerStepped(lr=0.1), "lr") == 0.1
     assert metric_value(StepEnded(step=1), "loss") is None
+
+
+def test_an_evaluation_s_loss_is_not_the_training_loss() -> None:
+    ev = EvalEnded(metrics={"loss": 5.0})
+    assert metric_value(ev, "loss") is None  # "loss" of split "train": Loss events only
+    assert metric_value(ev, "loss", split="val") is None
+    assert metric_value(ev, "loss", split="eval") == 5.0
+    assert metric_value(ev, "eval_loss") == 5.0
+    assert metric_value(EvalEnded(metrics={"train/loss": 2.0}), "train/loss") == 2.0  # by name

@@ -163,3 +163,19 @@ def test_time_estimate_is_published_from_run_started_total() -> None:
 def test_total_steps_argument_is_checked() -> None:
     with pytest.raises(ValueError, match="total_steps must be an int >= 1"):
         SpeedMonitor(total_steps=0)
+
+
+@pytest.mark.parametrize("total", [0, -1])
+def test_a_run_total_of_zero_or_less_gives_no_estimate(total: int) -> None:
+    bus = EventBus(drain_interval=0.002)
+    rec = Recorder(events=[TimeEstimate])
+    bus.subscribe(rec)
+    bus.subscribe(SpeedMonitor(every=5))
+    with bus:
+        bus.publish(RunStarted(total_steps=total))  # not "0 s left of 0 steps"
+        for s in range(1, 11):
+            bus.publish(StepEnded(step=s, ts=T0 + s * 250_000_000))
+        bus.publish(RunStarted(total_steps=20))  # a known total later still counts
+        for s in range(11, 16):
+            bus.publish(StepEnded(step=s, ts=T0 + s * 250_000_000))
+    assert [(e.step, e.total_steps) for e in rec.got] == [(15, 20)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import structlog
 import torch
 
 from eventbus import EventBus
@@ -148,3 +149,64 @@ def test_short_names_build_them_from_a_spec() -> None:
     assert (s.metric, s.patience, s.min_delta, s.mode) == ("eval_loss", 3, 0.01, "min")
     t = subscriber_from_spec("threshold_stop:metric=eval/accuracy,threshold=0.9,mode=max")
     assert isinstance(t, ThresholdStopper) and t.threshold == 0.9 and t.mode == "max"
+
+
+def test_a_training_loss_stopper_ignores_the_evaluation_s_loss() -> None:
+    bus = _bus()
+    train = ThresholdStopper("loss", 1.0)
+    patient = EarlyStopper("loss", patience=1)
+    for s in (train, patient):
+        bus.subscribe(s)
+    with bus:
+        bus.publish(Loss(step=1, value=2.0))
+        bus.publish(EvalEnded(step=1, metrics={"loss": 0.5}))  # below the threshold: not ours
+        bus.publish(EvalEnded(step=2, metrics={"loss": 9.0}))  # worse: not counted either
+        bus.flush()
+        assert not bus.should_stop
+    assert (train.best, train.stopped_at) == (2.0, None)
+    assert (patient.best, patient.bad, patient.stopped_at) == (2.0, 0, None)
+
+
+def test_a_metric_that_never_shows_up_is_said_with_the_names_that_did() -> None:
+    bus = _bus()
+    typo = EarlyStopper("eval_acc", patience=2, mode="max")
+    found = ThresholdStopper("accuracy", 0.99, mode="max")
+    bus.subscribe(typo)
+    bus.subscribe(found)
+    with structlog.testing.capture_logs() as logs, bus:
+        bus.publish(Loss(step=1, value=2.0))
+        bus.publish(EvalEnded(step=1, metrics={"accuracy": 0.5}))
+        bus.publish(EvalEnded(step=2, metrics={"accuracy": 0.6}))
+    missing = [e for e in logs if "not found" in e["event"]]
+    assert [e["event"].split(": ", 2)[2] for e in missing] == [
+        "an EvalEnded at step 1 did not carry it; check its name (docs/monitors.md, "
+        "'Metric names')",
+        "no value of the metric arrived in this run; check its name (docs/monitors.md, "
+        "'Metric names')",
+    ]
+    assert all(e["metric"] == "eval_acc" and e["log_level"] == "warning" for e in missing)
+    assert missing[-1]["names_seen"] == ["accuracy"]
+    assert found.best == 0.6  # the one whose metric arrived says nothing
+
+
+def test_infinities_never_reach_a_threshold() -> None:
+    low = ThresholdStopper("loss", 0.1)
+    assert not low.update(-math.inf, 1)  # a broken loss, not a low enough one
+    high = ThresholdStopper("eval/accuracy", 0.9, mode="max")
+    assert not high.update(math.inf, 1)
+    assert (low.stopped_at, high.stopped_at) == (None, None)
+    assert high.update(0.95, 2)
+
+
+def test_an_evaluation_published_twice_counts_once() -> None:
+    # The HF bridge publishes an evaluation as Scalars (the Trainer's log) and as EvalEnded.
+    bus = _bus()
+    s = EarlyStopper("eval_loss", patience=3)
+    bus.subscribe(s)
+    with bus:
+        for step, v in ((100, 1.0), (200, 1.1), (300, 1.2)):
+            bus.publish(Scalars(step=step, values={"eval_loss": v, "epoch": 1.0}))
+            bus.publish(EvalEnded(step=step, metrics={"eval_loss": v, "loss": v}))
+        bus.flush()
+        assert not bus.should_stop  # two evaluations without improvement, not four values
+    assert (s.best, s.bad, s.stopped_at) == (1.0, 2, None)
