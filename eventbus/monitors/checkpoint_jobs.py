@@ -16,8 +16,10 @@ beyond them, and past that the oldest is dropped, counted.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import pickle
+import re
 import shlex
 import shutil
 import time
@@ -32,6 +34,9 @@ from eventbus.log import get_logger
 from eventbus.monitors._job_run import JobFailed, metrics_of, run_command, run_function
 
 __all__ = ["CheckpointJobError", "CheckpointJobs"]
+
+
+_FIELDS = re.compile(r"\{path\}|\{step\}")  # what a command's arguments may name
 
 
 class CheckpointJobError(RuntimeError):
@@ -134,7 +139,8 @@ class CheckpointJobs:
         if self.fn is not None:
             return await run_function(self.fn, path)
         assert self.command is not None
-        argv = [a.replace("{path}", path).replace("{step}", step) for a in self.command]
+        fill = {"{path}": path, "{step}": step}.__getitem__  # one pass: a path's "{step}" stays
+        argv = [_FIELDS.sub(lambda m: fill(m[0]), a) for a in self.command]
         if not any("{path}" in a for a in self.command):
             argv.append(path)
         env = {
@@ -160,8 +166,18 @@ def _command(command: Sequence[str] | str) -> list[str]:
 def _function(fn: Callable[[str], Any] | str) -> Callable[[str], Any] | str:
     """A function the job's process can import: by reference, or a "module:function" path."""
     if isinstance(fn, str):
-        if ":" not in fn:
+        module, _, name = fn.partition(":")
+        if not module or not name:
             raise ValueError(f"fn as a string must be 'module:function', got {fn!r}")
+        try:  # found here, imported only in the job's process (it may be heavy)
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise ValueError(
+                f"fn={fn!r}: no module {module!r} is importable here, so the job's process "
+                "cannot import it either: check the name, or install or add it to sys.path"
+            )
         return fn
     if not callable(fn):
         raise TypeError(f"fn must be a function of one argument (the path), got {fn!r:.80}")

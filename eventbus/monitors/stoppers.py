@@ -153,6 +153,7 @@ class _Stopper:
         """Best value and where, the step count, the first stop (JSON-friendly)."""
         return {
             "version": _STATE_VERSION,
+            "kind": type(self).__name__,
             "metric": self.metric,
             "mode": self.mode,
             "best": self.best,
@@ -171,6 +172,11 @@ class _Stopper:
                     f"state is for {key} {state.get(key)!r}, this {cls} has "
                     f"{getattr(self, key)!r}: construct {cls}({key}={state.get(key)!r}, ...)"
                 )
+        if state.get("kind", cls) != cls:  # older states carry no kind: taken as they are
+            raise ValueError(
+                f"state is of a {state['kind']}, not of this {cls}: load it into a "
+                f"{state['kind']} (subscribers' states are matched by name)"
+            )
         if state.get("version", _STATE_VERSION) > _STATE_VERSION:
             raise ValueError(f"{cls} state version {state['version']} is newer than this eventbus")
         best = state.get("best")

@@ -90,7 +90,8 @@ class ConsoleProgress:
         for ev in batch:
             match ev:
                 case RunStarted():
-                    self.total = ev.total_steps or self.total
+                    n = ev.total_steps  # 0 or less (or not an int) is no total
+                    self.total = n if type(n) is int and n > 0 else self.total
                     self._initial = ev.resumed_from_step or 0
                 case Loss():
                     if ev.split == "train":

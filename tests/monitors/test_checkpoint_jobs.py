@@ -286,6 +286,27 @@ def test_bad_arguments_are_clear() -> None:
         CheckpointJobs(fn=lambda path: {"a": 1.0})
     with pytest.raises(ValueError, match="'module:function'"):
         CheckpointJobs(fn="evaluate")
+    with pytest.raises(ValueError, match="no module 'no_such_eval_module' is importable"):
+        CheckpointJobs(fn="no_such_eval_module:evaluate")
+
+
+def test_a_path_that_names_step_is_passed_as_it_is(tmp_path: Path) -> None:
+    """The fields are filled in one pass: a checkpoint path containing "{step}" is not
+    rewritten by the step substitution that follows the path's."""
+    bus, rec = _bus(), Recorder(events=[EvalEnded])
+    bus.subscribe(rec)
+    path = str(tmp_path / "run-{step}" / "ckpt.pt")
+    body = (  # the expected path travels hex-encoded: no "{step}" in it to be filled
+        "import json, sys; "
+        f"print(json.dumps({{'same': float(sys.argv[1] == bytes.fromhex('{path.encode().hex()}')"
+        ".decode() and sys.argv[2] == '7')}))"
+    )
+    bus.subscribe(CheckpointJobs(command=[PY, "-c", body, "{path}", "{step}"]))
+    with bus:
+        bus.publish(CheckpointSaved(step=7, path=path))
+    (ev,) = rec.got
+    assert isinstance(ev, EvalEnded)
+    assert ev.metrics == {"same": 1.0}
 
 
 def test_jobs_never_run_on_the_training_thread() -> None:

@@ -210,3 +210,14 @@ def test_an_evaluation_published_twice_counts_once() -> None:
         bus.flush()
         assert not bus.should_stop  # two evaluations without improvement, not four values
     assert (s.best, s.bad, s.stopped_at) == (1.0, 2, None)
+
+
+def test_a_state_of_another_kind_of_stopper_is_refused() -> None:
+    """Subscribers' states are matched by name: a ThresholdStopper's state given to an
+    EarlyStopper of the same metric and mode is refused, naming both."""
+    threshold = ThresholdStopper("loss", 0.5)
+    threshold.update(1, 0.4)
+    early = EarlyStopper("loss", patience=3)
+    with pytest.raises(ValueError, match="of a ThresholdStopper, not of this EarlyStopper"):
+        early.load_state_dict(threshold.state_dict())
+    early.load_state_dict(EarlyStopper("loss", patience=3).state_dict())  # its own kind: fine

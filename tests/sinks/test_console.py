@@ -57,12 +57,14 @@ def test_plain_line_without_tqdm_has_eta_when_total_known() -> None:
     assert "ETA" in text
 
 
-def test_no_eta_when_total_unknown() -> None:
+@pytest.mark.parametrize("total", [None, 0, -1])
+def test_no_eta_when_total_unknown(total: int | None) -> None:
     out = io.StringIO()
     p = ConsoleProgress(stream=out, force=True, refresh_interval=0, use_tqdm=False)
-    _feed(p, total=None)
+    _feed(p, total=total)  # 0 or less is no total (as SpeedMonitor reads it): not "5/-1"
     p.on_close()
     assert "step 5" in out.getvalue()
+    assert "step 5/" not in out.getvalue()
     assert "ETA" not in out.getvalue()
 
 
