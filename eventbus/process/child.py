@@ -233,9 +233,11 @@ class Host:
             st = self.bus.close(timeout)
             self._reply(req, None, st.hung)
             return False
-        else:
+        else:  # answered aside: a flush a hung subscriber holds must not stop our reading
             req, arg = pickle.loads(payload)
-            self._request(op, req, arg)
+            threading.Thread(
+                target=self._request, args=(op, req, arg), name="eventbus-sidecar-ask", daemon=True
+            ).start()
         return True
 
     def _add(self, add: wire.AddInfo) -> None:

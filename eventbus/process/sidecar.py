@@ -86,7 +86,6 @@ class Sidecar(Reports):
         self._routes: dict[type, tuple[Remote, ...]] = {}
         self._cut: int | None = None  # the first seq a removed subscriber no longer gets
         self._cond = threading.Condition()
-        self._req = 0
         self._ids = 0
         self.delivery = Delivery(
             self,
@@ -257,13 +256,22 @@ class Sidecar(Reports):
                         r.lost += 1
             return True
 
-    def on_flush(self) -> None:
+    async def on_flush(self) -> None:
         """Every sidecar subscriber handled what came before, and ran its `on_flush`; raises
-        (so `bus.flush()` says False) when they did not within the bus's close timeout."""
+        (so `bus.flush()` says False) when they did not within the bus's close timeout.
+
+        On the bus loop, waiting by sleeping: a flush a hung subscriber holds never holds our
+        worker thread, where the close settles and closes the sidecar."""
         if self.gave_up is not None:
             return
         self._removed(None)  # everything before the flush was sent
-        if self.request(wire.FLUSH, self.bus.close_timeout) is False:
+        chan, router = self.chan, self.bus._loop.router
+        req = chan.ask(wire.FLUSH, self.bus.close_timeout)
+        while (got := chan.answer(req)) is None:
+            if router.closing:  # the close settles the sidecar itself; this wait must end
+                raise TimeoutError("the bus closed before the sidecar's subscribers flushed")
+            await anyio.sleep(_POLL_S / 10)
+        if got[0] is False:
             raise TimeoutError(
                 f"the sidecar's subscribers did not flush within {self.bus.close_timeout} s"
             )
@@ -317,18 +325,12 @@ class Sidecar(Reports):
 
     def request(self, op: bytes, arg: Any) -> Any:
         """Ask the sidecar and wait for its answer; raise `RemoteError` for its error or death."""
+        chan = self.chan
+        req = chan.ask(op, arg)
         with self._cond:
-            self._req += 1
-            req, chan = self._req, self.chan
-            chan.post(op + wire.dumps((req, arg)))
-            while req not in chan.replies:
-                if chan.dead is not None:
-                    raise RemoteError(f"the sidecar died: {chan.dead}")
+            while (got := chan.answer(req)) is None:
                 self._cond.wait(_POLL_S)
-            error, value = chan.replies.pop(req)
-        if error is not None:
-            raise RemoteError(error)
-        return value
+        return got[0]
 
     def _died(self, chan: Channel) -> None:
         with self._cond:

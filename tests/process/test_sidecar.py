@@ -379,3 +379,53 @@ def test_flush_waits_for_a_slow_on_start(
         *(["step 1"] if publish else []),
         *(["flushed"] if hook else []),
     ]
+
+
+def test_a_flush_held_by_a_hung_sidecar_subscriber_holds_no_one_else(tmp_path: Path) -> None:
+    """A flush that a hung lossy sidecar subscriber makes time out returns False; the sidecar
+    goes on reading meanwhile (it stopped reading for `close_timeout`, starving its other
+    subscribers, then the close, which ended with the hung one's report lost)."""
+    bus = EventBus(drain_interval=0.002, close_timeout=600)
+    never = tmp_path / "never"  # Gate waits for this file: a hang
+    hung = bus.subscribe(Gate(str(never)), placement="process", policy="drop_oldest", events=[Loss])
+    other = bus.subscribe(Tally(str(tmp_path / "other")), placement="process")
+    here = Recorder(events=[Loss])
+    bus.subscribe(here)
+    try:
+        bus.start()
+        bus.publish(Loss(step=0, value=1.0))
+        assert not bus.flush(timeout=0.5)  # the hung one holds it (the wait there goes on)
+        for i in range(1, 10):
+            bus.publish(Loss(step=i, value=1.0))
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "other").exists() or steps_in(tmp_path / "other") != list(range(10)):
+            assert time.monotonic() < deadline, "the sidecar stopped reading"
+            time.sleep(0.01)
+        st = bus.close(timeout=10)
+    finally:
+        bus.close(timeout=5)
+    h = st[hung.name]  # type: ignore[index]
+    assert h.state == "hung"
+    assert (h.published, h.delivered, h.queued) == (10, 0, 0)
+    assert h.delivered + h.failed + h.dropped + h.queued == h.published
+    assert st[other.name].state == "closed"  # type: ignore[index]
+
+
+def test_a_close_while_a_flush_waits_on_a_hung_sidecar_subscriber_reports_it_hung(
+    tmp_path: Path,
+) -> None:
+    """The flush's wait for the sidecar ends when the close begins (it held the sidecar busy
+    to the close deadline: abandoned, its subscriber's last report never came)."""
+    bus = EventBus(drain_interval=0.002, close_timeout=600)
+    hung = bus.subscribe(Gate(str(tmp_path / "never")), placement="process", policy="drop_oldest")
+    try:
+        bus.start()
+        for i in range(10):
+            bus.publish(Loss(step=i, value=1.0))
+        assert not bus.flush(timeout=0.5)
+        st = bus.close(timeout=10)
+    finally:
+        bus.close(timeout=5)
+    h = st[hung.name]  # type: ignore[index]
+    assert (h.state, h.published, h.dropped, h.queued) == ("hung", 10, 10, 0)
+    assert st.hung == ("Gate",)
