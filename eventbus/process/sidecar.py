@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
-import sys
 import threading
 import time
 from collections import Counter
@@ -83,6 +83,7 @@ class Sidecar(Reports):
         self.storm_base = 0  # storm drops of sidecars that died
         self.hung: tuple[str, ...] = ()  # its subscribers abandoned at close
         self.closing = False
+        self.final = False  # its answer to the close came: every report is in
         self._routes: dict[type, tuple[Remote, ...]] = {}
         self._cut: int | None = None  # the first seq a removed subscriber no longer gets
         self._cond = threading.Condition()
@@ -282,8 +283,8 @@ class Sidecar(Reports):
         returns (their status goes before the answer), to reach every subscriber."""
         if self.gave_up is None and self.remotes:
             self._removed(None)
-            with contextlib.suppress(RemoteError):  # it died: its loss is counted already
-                self.request(wire.FLUSH, timeout)
+            with contextlib.suppress(RemoteError):  # dead (counted) or too slow (the close)
+                self.request(wire.FLUSH, timeout, within=timeout)
 
     def on_close(self) -> None:
         """Close the sidecar's bus (its subscribers drain and close), then let it exit."""
@@ -295,8 +296,9 @@ class Sidecar(Reports):
                 # The bus's close deadline, less a margin for the answer to come back: a
                 # sidecar subscriber that hangs is then abandoned there, and named.
                 left = min(self.bus._loop.deadline - time.monotonic(), 1e6)
-                hung = self.request(wire.CLOSE, (max(0.1, left - max(0.5, left / 10)), parent))
-                self.hung = tuple(hung or ())
+                t = (max(0.1, left - max(0.5, left / 10)), parent)
+                hung = self.request(wire.CLOSE, t, within=max(0.05, left - min(0.25, left / 10)))
+                self.hung, self.final = tuple(hung or ()), True
                 for name in self.hung:
                     get_logger().error("sidecar subscriber hung at close", subscriber=name)
         self.release()
@@ -304,6 +306,8 @@ class Sidecar(Reports):
     def release(self) -> None:
         """Let go of the sidecar (it drains, closes its files and exits by itself)."""
         self.closing = True
+        if not self.final and self.gave_up is None and self.remotes:
+            self.hung += self.abandon()  # it never answered the close: counted, named
         self.chan.stop()
         self.chan.finalizer.detach()
 
@@ -323,48 +327,18 @@ class Sidecar(Reports):
         if states:
             self.request(wire.LOAD, states)
 
-    def request(self, op: bytes, arg: Any) -> Any:
-        """Ask the sidecar and wait for its answer; raise `RemoteError` for its error or death."""
+    def request(self, op: bytes, arg: Any, *, within: float | None = None) -> Any:
+        """Ask the sidecar and wait for its answer (`within` seconds at most); raise
+        `RemoteError` for its error, its death, or no answer in time."""
         chan = self.chan
         req = chan.ask(op, arg)
+        end = time.monotonic() + (math.inf if within is None else within)
         with self._cond:
             while (got := chan.answer(req)) is None:
+                if time.monotonic() >= end:
+                    raise RemoteError(f"the sidecar did not answer within {within} s")
                 self._cond.wait(_POLL_S)
         return got[0]
-
-    def _died(self, chan: Channel) -> None:
-        with self._cond:
-            chan.dead = chan.proc.why_dead(self.name, "its channel closed")
-            self._cond.notify_all()
-            if self.closing or chan is not self.chan:
-                return
-            # A channel that broke while its process lives: end that process first, so two
-            # sidecars never write the same files (SIGKILL: it ignores SIGTERM).
-            chan.proc.kill()
-            chan.proc.join(1.0)
-            code = chan.proc.exitcode
-            lost = {r.name: n for r in self.remotes.values() if (n := r.died())}
-            self.storm_base += chan.storm_dropped
-            self.restarts += 1
-            again = self.restarts <= self.max_restarts and not sys.is_finalizing()
-            get_logger().error(
-                "the sidecar process died; training goes on"
-                + ("; restarting it" if again else "; no restarts left, its subscribers are off"),
-                pid=chan.proc.pid,
-                exitcode=code,
-                lost=lost,
-                restarts=self.restarts - 1,
-            )
-            chan.stop()
-            if again:
-                self.chan = self._launch()
-            else:
-                self.gave_up = f"the sidecar died {self.restarts} times"
-                for r in self.remotes.values():
-                    if r.state in (State.PENDING, State.RUNNING):
-                        r.state, r.error = State.DISABLED, self.gave_up
-                    r.off = r.off or self.gave_up
-                self._routes.clear()
 
     def merged(self, st: BusStats) -> BusStats:
         """`bus.stats()` with the sidecar's subscribers and its own counters."""

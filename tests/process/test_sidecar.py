@@ -429,3 +429,33 @@ def test_a_close_while_a_flush_waits_on_a_hung_sidecar_subscriber_reports_it_hun
     h = st[hung.name]  # type: ignore[index]
     assert (h.state, h.published, h.dropped, h.queued) == ("hung", 10, 10, 0)
     assert st.hung == ("Gate",)
+
+
+def test_a_sidecar_that_stops_answering_is_abandoned_at_close_named_and_counted(
+    tmp_path: Path,
+) -> None:
+    """With `hang_timeout=None`, a hung lossless sidecar subscriber whose full queue holds the
+    sidecar's reading (as it holds our bus) cannot answer the close: the close keeps its
+    deadline, names it hung and counts what it never reported handled (its report said
+    "running", events queued forever after the close, and no one hung)."""
+    mib = 1 << 20
+    bus = EventBus(
+        drain_interval=0.002, close_timeout=600, hang_timeout=None, queue_max_bytes=4 * mib
+    )
+    hung = bus.subscribe(Gate(str(tmp_path / "never")), placement="process", maxsize=1)
+    try:
+        bus.start()
+        for i in range(12):  # its queue, then the sidecar's inbox fill: the sidecar's reading waits
+            bus.publish(BigBlob(step=i, data="x" * mib))
+        pid = bus.stats().sidecar.pid  # type: ignore[union-attr]
+        st = bus.close(timeout=3)
+    finally:
+        bus.close(timeout=5)
+        (tmp_path / "never").write_text("")  # it goes on, drains and exits
+    assert gone(pid, 30)
+    h = st[hung.name]  # type: ignore[index]
+    assert h.state == "hung"
+    assert hung.name in st.hung
+    assert h.published == 12
+    assert (h.delivered, h.failed, h.queued) == (0, 0, 0)
+    assert h.dropped == 12  # never handled: counted
