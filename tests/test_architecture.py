@@ -92,6 +92,7 @@ LAYERS: dict[str, str] = {
     "eventbus.process.channel": CORE,
     "eventbus.process.child": FACADE,  # the sidecar's own bus
     "eventbus.process.errors": CORE,
+    "eventbus.process.logrelay": CORE,
     "eventbus.process.proxy": CORE,
     "eventbus.process.remote": CORE,
     "eventbus.process.reports": FACADE,  # the sidecar's reader side

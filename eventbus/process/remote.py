@@ -56,8 +56,9 @@ class Remote:
         self.lost += max(0, lost)
         return max(0, lost)
 
-    def abandoned(self) -> int:
-        """The close gave up on its sidecar: what it never reported handled is lost."""
+    def unhandled(self) -> int:
+        """Its sidecar is done (closed, or given up at close): what it never reported handled
+        is lost (counted here, and returned)."""
         c = self.base.plus(self.last) if self.last is not None else self.base
         lost = max(0, self.sent - self.lost - c.handled)
         self.lost += lost

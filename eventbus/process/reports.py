@@ -71,6 +71,10 @@ class Reports:
                 restarts=self.restarts - 1,
             )
             chan.stop()
+            for r in self.remotes.values():
+                if r.state is State.DISABLED and r.off is None:  # not rebuilt: counted here
+                    r.off = "disabled before its sidecar died"
+            self._routes.clear()
             if again:
                 self.chan = self._launch()
             else:
@@ -155,6 +159,8 @@ class Reports:
                 if failures is not None and s.failed > (r.last.failed if r.last else 0):
                     failures.note(r.name, s.error or f"{s.failed} events failed in the sidecar")
                 r.last = s
+                if s.state == "closed" and r.state is not State.REMOVED and not self.closing:
+                    continue  # closed unasked: the sidecar is dying, and `_died` decides
                 if r.state is not State.REMOVED or s.state in ("closed", "hung"):
                     r.state = State(s.state)  # the sidecar's word (a removal it has not seen yet)
         if packed is not None:
@@ -179,7 +185,7 @@ class Reports:
             self.gone = True
             hung = []
             for r in self.remotes.values():
-                r.abandoned()
+                r.unhandled()
                 if r.state not in (State.CLOSED, State.HUNG):
                     r.state = State.HUNG
                     hung.append(r.name)

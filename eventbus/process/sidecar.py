@@ -299,6 +299,8 @@ class Sidecar(Reports):
                 t = (max(0.1, left - max(0.5, left / 10)), parent)
                 hung = self.request(wire.CLOSE, t, within=max(0.05, left - min(0.25, left / 10)))
                 self.hung, self.final = tuple(hung or ()), True
+                for r in self.remotes.values():  # every report is in: the rest never came
+                    r.unhandled()
                 for name in self.hung:
                     get_logger().error("sidecar subscriber hung at close", subscriber=name)
         self.release()

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import threading
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -459,3 +461,41 @@ def test_a_sidecar_that_stops_answering_is_abandoned_at_close_named_and_counted(
     assert h.published == 12
     assert (h.delivered, h.failed, h.queued) == (0, 0, 0)
     assert h.dropped == 12  # never handled: counted
+
+
+class _Phantom:
+    """Pickled by reference to a module only this process has (as a class of the user's
+    script is, in `__main__`): the sidecar cannot unpickle it."""
+
+
+def test_a_batch_the_sidecar_cannot_read_costs_only_that_batch(
+    new_bus: NewBus,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A field holding an object of a class the sidecar cannot import killed the sidecar;
+    its subscribers, closed by the dying sidecar, were then skipped for good after the
+    restart: every later event lost, uncounted."""
+    phantom = types.ModuleType("eventbus_phantom_module")
+    _Phantom.__module__ = phantom.__name__
+    phantom._Phantom = _Phantom  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, phantom.__name__, phantom)
+    bus = new_bus()
+    tally = bus.subscribe(Tally(str(tmp_path / "t")), placement="process", max_batch=1)
+    with caplog.at_level(logging.ERROR, logger="eventbus"), bus:
+        for i in range(5):
+            bus.publish(Loss(step=i, value=1.0))
+        assert bus.flush(timeout=30)
+        bus.publish(Loss(step=5, value=_Phantom()))  # type: ignore[arg-type]
+        bus.flush(timeout=30)
+        for i in range(6, 10):
+            bus.publish(Loss(step=i, value=1.0))
+        assert bus.flush(timeout=30)
+        side = bus.stats().sidecar
+    assert side is not None
+    assert side.restarts == 0
+    assert steps_in(tmp_path / "t") == [0, 1, 2, 3, 4, 6, 7, 8, 9]
+    s = bus.stats()[tally.name]  # type: ignore[index]
+    assert (s.published, s.delivered, s.state) == (10, 9, "closed")
+    assert any("eventbus_phantom_module" in r.getMessage() for r in caplog.records)
