@@ -94,6 +94,7 @@ LAYERS: dict[str, str] = {
     "eventbus.process.closing": FACADE,  # the sidecar's ending, driven by the bus's close
     "eventbus.process.handle": FACADE,  # what a sidecar subscriber gets as its bus
     "eventbus.process.errors": CORE,
+    "eventbus.process.logrelay": CORE,
     "eventbus.process.proxy": CORE,
     "eventbus.process.remote": CORE,
     "eventbus.process.reports": FACADE,  # the sidecar's reader side

@@ -152,6 +152,10 @@ class Shutdown:
             self.router.refresh()  # nothing is routed to it any more
 
     def _hang(self, d: Delivery) -> None:
+        """Abandon `d` inside its own code and name it, once (a removed one that hangs is
+        reached twice: the close gives up on its retirement, which then ends too)."""
+        if d.state is State.HUNG and d.name in self.hung:
+            return
         lost = d.abandon()
         d.state = State.HUNG
         self.hung += (d.name,)

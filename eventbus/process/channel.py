@@ -7,6 +7,7 @@ the socket, once the sender is done: a closed descriptor number is soon another 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import queue
 import socket
@@ -16,7 +17,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from eventbus.process import spawn
+from eventbus.process import spawn, wire
+from eventbus.process.errors import RemoteError
 
 __all__ = ["Channel"]
 
@@ -40,6 +42,7 @@ class Channel:
         self.spawn_s: float | None = None
         self.storm_dropped = 0  # what its subscribers published beyond what it holds for us
         self.replies: dict[int, tuple[str | None, Any]] = {}
+        self._asked = itertools.count(1)
         self.post(start)
         for add in adds:  # a restart rebuilds them all, in order
             self.post(add)
@@ -53,6 +56,25 @@ class Channel:
 
     def post(self, data: bytes | None) -> None:
         self.out.put(data)
+
+    def ask(self, op: bytes, arg: Any) -> int:
+        """Post a request; its answer, by the number returned, comes through `answer`."""
+        req = next(self._asked)
+        self.post(op + wire.dumps((req, arg)))
+        return req
+
+    def answer(self, req: int) -> tuple[Any] | None:
+        """`(value,)` once the sidecar answered `req`, None until then; `RemoteError` for
+        its error, or its death before it answered."""
+        got = self.replies.pop(req, None)
+        if got is None:
+            if self.dead is not None:
+                raise RemoteError(f"the sidecar died: {self.dead}")
+            return None
+        error, value = got
+        if error is not None:
+            raise RemoteError(error)
+        return (value,)
 
     def _send_loop(self) -> None:
         try:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import pickle
 import signal
@@ -32,39 +31,15 @@ from eventbus.core.sizing import QUICK, quick_check
 from eventbus.core.subscription import Subscription
 from eventbus.events import Event
 from eventbus.loader import load_object
-from eventbus.log import LOGGER_NAME, get_logger
+from eventbus.log import get_logger
 from eventbus.process import spawn, wire
 from eventbus.process.handle import SidecarHandle
+from eventbus.process.logrelay import LogRelay
 
 __all__ = ["Host", "describe_error", "main"]
 
 STATUS_EVERY = 0.25  # seconds between counter reports to the parent (and on demand)
 CHUNK = 4096  # of those, sent per message
-
-
-class LogRelay(logging.Handler):
-    """The sidecar's `eventbus` log records, held for the parent, which logs them as its own
-    (its handlers, levels and structlog configuration decide what a person sees)."""
-
-    def __init__(self, wake: threading.Event) -> None:
-        super().__init__(logging.INFO)
-        self.records: list[tuple[int, str]] = []
-        self._wake = wake
-
-    def emit(self, record: logging.LogRecord) -> None:
-        with contextlib.suppress(Exception):
-            self.records.append((record.levelno, record.getMessage()))
-            self._wake.set()
-
-    def take(self) -> list[tuple[int, str]]:
-        out, self.records = self.records, []
-        return out
-
-    def install(self) -> None:
-        log = logging.getLogger(LOGGER_NAME)
-        log.addHandler(self)
-        log.setLevel(logging.INFO)
-        log.propagate = False  # the parent shows them: nothing printed here
 
 
 class Host:
@@ -122,7 +97,7 @@ class Host:
         op, payload = msg[:1], msg[1:]
         if op == wire.BATCH:
             inbox = self.bus._inbox  # already stamped by the parent: straight to the inbox
-            for ev in wire.unpack(payload):
+            for ev in _unpacked(payload):
                 text = (QUICK.get(type(ev)) or quick_check(type(ev)))(ev)
                 if text < 0 or text >= BIG:  # counted against the byte bound, as publish does
                     inbox.put_sized(ev)
@@ -145,9 +120,11 @@ class Host:
             st = self.bus.close(timeout)
             self._reply(req, None, (st.hung, self.handle.late))
             return False
-        else:
+        else:  # answered aside: a flush a hung subscriber holds must not stop our reading
             req, arg = pickle.loads(payload)
-            self._request(op, req, arg)
+            threading.Thread(
+                target=self._request, args=(op, req, arg), name="eventbus-sidecar-ask", daemon=True
+            ).start()
         return True
 
     def _add(self, add: wire.AddInfo) -> None:
@@ -269,6 +246,21 @@ def _packed(events: list[Event]) -> bytes | None:
             error=f"{type(e).__name__}: {e}",
         )
         return None
+
+
+def _unpacked(payload: bytes) -> list[Event]:
+    """A batch's events; none if it cannot be read here (a field holds an object whose class
+    this process cannot import): logged, and counted lost by the parent at close."""
+    try:
+        return wire.unpack(payload)
+    except Exception as e:
+        get_logger().error(
+            "sidecar: a batch of events could not be read here; its events are lost. A field "
+            "holds an object of a class the sidecar cannot import (defined in your script?): "
+            "publish plain values, or define the class in a module",
+            error=f"{type(e).__name__}: {e}",
+        )
+        return []
 
 
 def build(target: wire.Target) -> Any:

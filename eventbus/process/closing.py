@@ -11,6 +11,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+import anyio
+
 from eventbus.core.subscriber import State
 from eventbus.log import get_logger
 from eventbus.process import wire
@@ -21,7 +23,9 @@ if TYPE_CHECKING:
     from eventbus.process.channel import Channel
     from eventbus.process.remote import Remote
 
-__all__ = ["Closing"]
+__all__ = ["POLL_S", "Closing"]
+
+POLL_S = 0.05  # how often a waiting caller looks whether the sidecar still lives
 
 
 class Closing:
@@ -34,24 +38,32 @@ class Closing:
     closing: bool
     hung: tuple[str, ...]
     late: int
+    final: bool
     _cond: threading.Condition
 
-    def request(self, op: bytes, arg: Any) -> Any:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # the sidecar's own (a stub here would shadow Reports' in the MRO)
 
-    def _remove(self, r: Any) -> None:
-        raise NotImplementedError
+        def request(self, op: bytes, arg: Any, *, within: float | None = None) -> Any: ...
+        def abandon(self) -> tuple[str, ...]: ...
+        def _remove(self, r: Any) -> None: ...
+        def _removed(self, upto: int | None) -> None: ...
 
-    def _removed(self, upto: int | None) -> None:
-        raise NotImplementedError
-
-    def on_flush(self) -> None:
+    async def on_flush(self) -> None:
         """Every sidecar subscriber handled what came before, and ran its `on_flush`; raises
-        (so `bus.flush()` says False) when they did not within the bus's close timeout."""
+        (so `bus.flush()` says False) when they did not within the bus's close timeout.
+
+        On the bus loop, waiting by sleeping: a flush a hung subscriber holds never holds our
+        worker thread, where the close settles and closes the sidecar."""
         if self.gave_up is not None:
             return
         self._removed(None)  # everything before the flush was sent
-        if self.request(wire.FLUSH, self.bus.close_timeout) is False:
+        chan, router = self.chan, self.bus._loop.router
+        req = chan.ask(wire.FLUSH, self.bus.close_timeout)
+        while (got := chan.answer(req)) is None:
+            if router.closing:  # the close settles the sidecar itself; this wait must end
+                raise TimeoutError("the bus closed before the sidecar's subscribers flushed")
+            await anyio.sleep(POLL_S / 10)
+        if got[0] is False:
             raise TimeoutError(
                 f"the sidecar's subscribers did not flush within {self.bus.close_timeout} s"
             )
@@ -62,8 +74,8 @@ class Closing:
         returns (their status goes before the answer), to reach every subscriber."""
         if self.gave_up is None and self.remotes:
             self._removed(None)
-            with contextlib.suppress(RemoteError):  # it died: its loss is counted already
-                self.request(wire.FLUSH, timeout)
+            with contextlib.suppress(RemoteError):  # dead (counted) or too slow (the close)
+                self.request(wire.FLUSH, timeout, within=timeout)
 
     def parts(self) -> list[int]:
         """Its subscribers still open, newest first: the bus's close ends them one by one."""
@@ -79,8 +91,8 @@ class Closing:
         was = r.state
         self._remove(r)
         self._removed(None)  # everything before was sent (the close drained us first)
-        with contextlib.suppress(RemoteError):  # it died: its loss is counted already
-            if self.request(wire.END, (rid, timeout)) is None:
+        with contextlib.suppress(RemoteError):  # dead (counted) or too slow (the close)
+            if self.request(wire.END, (rid, timeout), within=timeout) is None:
                 r.state = was  # never built there (disabled): nothing to end
 
     def on_close(self) -> None:
@@ -93,10 +105,12 @@ class Closing:
                 # The bus's close deadline, less a margin for the answer to come back: a
                 # sidecar subscriber that hangs is then abandoned there, and named.
                 left = min(self.bus._loop.deadline - time.monotonic(), 1e6)
-                hung, self.late = self.request(
-                    wire.CLOSE, (max(0.1, left - max(0.5, left / 10)), parent)
-                )
-                self.hung = tuple(hung)
+                t = (max(0.1, left - max(0.5, left / 10)), parent)
+                within = max(0.05, left - min(0.25, left / 10))
+                hung, self.late = self.request(wire.CLOSE, t, within=within)
+                self.hung, self.final = tuple(hung), True
+                for r in self.remotes.values():  # every report is in: the rest never came
+                    r.unhandled()
                 for name in self.hung:
                     get_logger().error("sidecar subscriber hung at close", subscriber=name)
                 if self.late:  # ended out of time: they published while all else closed
@@ -110,5 +124,7 @@ class Closing:
     def release(self) -> None:
         """Let go of the sidecar (it drains, closes its files and exits by itself)."""
         self.closing = True
+        if not self.final and self.gave_up is None and self.remotes:
+            self.hung += self.abandon()  # it never answered the close: counted, named
         self.chan.stop()
         self.chan.finalizer.detach()

@@ -6,6 +6,7 @@ abort requests, and the answers to requests. The channel's end, unasked, is a de
 from __future__ import annotations
 
 import pickle
+import sys
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -26,16 +27,63 @@ __all__ = ["Reports"]
 
 
 class Reports:
-    """The `Sidecar`'s reader side (a mixin: the state is the sidecar's)."""
+    """The `Sidecar`'s reader side and its death (a mixin: the state is the sidecar's)."""
 
+    name: str
     bus: EventBus
+    chan: Channel
     remotes: dict[int, Remote]
     refused: int
+    closing: bool
+    restarts: int
+    max_restarts: int
+    storm_base: int
+    gave_up: str | None
+    gone = False  # abandoned at close: its reports are no longer counted
     _cond: threading.Condition
     _routes: dict[type, tuple[Remote, ...]]
 
-    def _died(self, chan: Channel) -> None:
+    def _launch(self) -> Channel:
         raise NotImplementedError
+
+    def _died(self, chan: Channel) -> None:
+        """The channel ended unasked: count what was lost, restart it (or give up)."""
+        with self._cond:
+            chan.dead = chan.proc.why_dead(self.name, "its channel closed")
+            self._cond.notify_all()
+            if self.closing or chan is not self.chan:
+                return
+            # A channel that broke while its process lives: end that process first, so two
+            # sidecars never write the same files (SIGKILL: it ignores SIGTERM).
+            chan.proc.kill()
+            chan.proc.join(1.0)
+            code = chan.proc.exitcode
+            lost = {r.name: n for r in self.remotes.values() if (n := r.died())}
+            self.storm_base += chan.storm_dropped
+            self.restarts += 1
+            again = self.restarts <= self.max_restarts and not sys.is_finalizing()
+            get_logger().error(
+                "the sidecar process died; training goes on"
+                + ("; restarting it" if again else "; no restarts left, its subscribers are off"),
+                pid=chan.proc.pid,
+                exitcode=code,
+                lost=lost,
+                restarts=self.restarts - 1,
+            )
+            chan.stop()
+            for r in self.remotes.values():
+                if r.state is State.DISABLED and r.off is None:  # not rebuilt: counted here
+                    r.off = "disabled before its sidecar died"
+            self._routes.clear()
+            if again:
+                self.chan = self._launch()
+            else:
+                self.gave_up = f"the sidecar died {self.restarts} times"
+                for r in self.remotes.values():
+                    if r.state in (State.PENDING, State.RUNNING):
+                        r.state, r.error = State.DISABLED, self.gave_up
+                    r.off = r.off or self.gave_up
+                self._routes.clear()
 
     def read(self, chan: Channel) -> None:
         """Handle what the sidecar sends until it closes; then its death, if unasked."""
@@ -102,7 +150,7 @@ class Reports:
         log = get_logger()
         for level, text in logs:  # the sidecar's diagnostics, logged here as ours
             log.log(level, "sidecar: " + text, sidecar_pid=chan.proc.pid)
-        for r in self.remotes.values():
+        for r in self.remotes.values() if not self.gone else ():
             if r.name in own:
                 r.own = own[r.name]
             s = stats.get(r.name)
@@ -111,6 +159,8 @@ class Reports:
                 if failures is not None and s.failed > (r.last.failed if r.last else 0):
                     failures.note(r.name, s.error or f"{s.failed} events failed in the sidecar")
                 r.last = s
+                if s.state == "closed" and r.state is not State.REMOVED and not self.closing:
+                    continue  # closed unasked: the sidecar is dying, and `_died` decides
                 if r.state is not State.REMOVED or s.state in ("closed", "hung"):
                     r.state = State(s.state)  # the sidecar's word (a removal it has not seen yet)
         if packed is not None:
@@ -126,6 +176,24 @@ class Reports:
                 continue
             ask = control.request_abort if q.abort else control.request_stop
             ask(q.reason, source=q.source, step=q.step)
+
+    def abandon(self) -> tuple[str, ...]:
+        """The close gave up on the sidecar, which never sent its last report: what each
+        subscriber was sent and not reported handled is lost; those still open are named hung
+        (their reports from now on are ignored: they were counted)."""
+        with self._cond:
+            self.gone = True
+            hung = []
+            for r in self.remotes.values():
+                r.unhandled()
+                if r.state not in (State.CLOSED, State.HUNG):
+                    r.state = State.HUNG
+                    hung.append(r.name)
+        get_logger().error(
+            "the sidecar did not answer the close in time; its subscribers were abandoned",
+            hung=hung,
+        )
+        return tuple(hung)
 
     def _refused(self, ev: Event, e: Exception) -> None:
         self.refused += 1

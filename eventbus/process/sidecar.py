@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
-import sys
 import threading
+import time
 from collections import Counter
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -33,7 +34,7 @@ from eventbus.events import Event
 from eventbus.log import get_logger
 from eventbus.process import wire
 from eventbus.process.channel import Channel
-from eventbus.process.closing import Closing
+from eventbus.process.closing import POLL_S, Closing
 from eventbus.process.errors import RemoteError
 from eventbus.process.proxy import ProcessSubscriber
 from eventbus.process.remote import Remote
@@ -44,8 +45,6 @@ if TYPE_CHECKING:
     from eventbus.bus import EventBus
 
 __all__ = ["Remote", "Sidecar", "place", "spec_of"]
-
-_POLL_S = 0.05  # how often a waiting caller looks whether the sidecar still lives
 
 
 def spec_of(sub: Any) -> ProcessSubscriber:
@@ -84,10 +83,10 @@ class Sidecar(Closing, Reports):
         self.hung: tuple[str, ...] = ()  # its subscribers abandoned at close
         self.late = 0  # events its subscribers published in its own close: reached no one
         self.closing = False
+        self.final = False  # its answer to the close came: every report is in
         self._routes: dict[type, tuple[Remote, ...]] = {}
         self._cut: int | None = None  # the first seq a removed subscriber no longer gets
         self._cond = threading.Condition()
-        self._req = 0
         self._ids = 0
         self.delivery = Delivery(
             self,
@@ -211,7 +210,7 @@ class Sidecar(Closing, Reports):
         data, bad = self._pack(out) if out and not self.closing else (b"", [])
         wanted = [(routes[cls], n) for cls, n in counts.items()]
         while not self._post(data, len(out) - len(bad), wanted, bad):
-            await anyio.sleep(_POLL_S / 10)  # backpressure: the sidecar acknowledges as it reads
+            await anyio.sleep(POLL_S / 10)  # backpressure: the sidecar acknowledges as it reads
 
     def _pack(self, out: list[Event]) -> tuple[bytes, list[Event]]:
         """The batch packed once; an event that cannot cross (a field pickle refuses) is left
@@ -274,54 +273,18 @@ class Sidecar(Closing, Reports):
         if states:
             self.request(wire.LOAD, states)
 
-    def request(self, op: bytes, arg: Any) -> Any:
-        """Ask the sidecar and wait for its answer; raise `RemoteError` for its error or death."""
+    def request(self, op: bytes, arg: Any, *, within: float | None = None) -> Any:
+        """Ask the sidecar and wait for its answer (`within` seconds at most); raise
+        `RemoteError` for its error, its death, or no answer in time."""
+        chan = self.chan
+        req = chan.ask(op, arg)
+        end = time.monotonic() + (math.inf if within is None else within)
         with self._cond:
-            self._req += 1
-            req, chan = self._req, self.chan
-            chan.post(op + wire.dumps((req, arg)))
-            while req not in chan.replies:
-                if chan.dead is not None:
-                    raise RemoteError(f"the sidecar died: {chan.dead}")
-                self._cond.wait(_POLL_S)
-            error, value = chan.replies.pop(req)
-        if error is not None:
-            raise RemoteError(error)
-        return value
-
-    def _died(self, chan: Channel) -> None:
-        with self._cond:
-            chan.dead = chan.proc.why_dead(self.name, "its channel closed")
-            self._cond.notify_all()
-            if self.closing or chan is not self.chan:
-                return
-            # A channel that broke while its process lives: end that process first, so two
-            # sidecars never write the same files (SIGKILL: it ignores SIGTERM).
-            chan.proc.kill()
-            chan.proc.join(1.0)
-            code = chan.proc.exitcode
-            lost = {r.name: n for r in self.remotes.values() if (n := r.died())}
-            self.storm_base += chan.storm_dropped
-            self.restarts += 1
-            again = self.restarts <= self.max_restarts and not sys.is_finalizing()
-            get_logger().error(
-                "the sidecar process died; training goes on"
-                + ("; restarting it" if again else "; no restarts left, its subscribers are off"),
-                pid=chan.proc.pid,
-                exitcode=code,
-                lost=lost,
-                restarts=self.restarts - 1,
-            )
-            chan.stop()
-            if again:
-                self.chan = self._launch()
-            else:
-                self.gave_up = f"the sidecar died {self.restarts} times"
-                for r in self.remotes.values():
-                    if r.state in (State.PENDING, State.RUNNING):
-                        r.state, r.error = State.DISABLED, self.gave_up
-                    r.off = r.off or self.gave_up
-                self._routes.clear()
+            while (got := chan.answer(req)) is None:
+                if time.monotonic() >= end:
+                    raise RemoteError(f"the sidecar did not answer within {within} s")
+                self._cond.wait(POLL_S)
+        return got[0]
 
     def merged(self, st: BusStats) -> BusStats:
         """`bus.stats()` with the sidecar's subscribers and its own counters."""
