@@ -211,7 +211,7 @@ class EventBus:
             if o.placement == "process":
                 from eventbus.process.sidecar import place  # loaded when asked
 
-                return place(self, sub, o, name)
+                return place(self, sub, o, name, key)
             d = Delivery(
                 sub,
                 name=unique_name(name or describe(sub), self._names),

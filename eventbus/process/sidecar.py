@@ -52,9 +52,17 @@ def spec_of(sub: Any) -> ProcessSubscriber:
     return sub if isinstance(sub, ProcessSubscriber) else ProcessSubscriber(sub)
 
 
-def place(bus: EventBus, sub: Any, o: SubscribeOptions, name: str | None) -> Subscription:
+def place(
+    bus: EventBus, sub: Any, o: SubscribeOptions, name: str | None, key: Any = None
+) -> Subscription:
     """Subscribe `sub` in the bus's sidecar, started at the first (overlapping the user's
     set-up); one that cannot go there fails before any process starts."""
+    if key is not None:
+        raise TypeError(
+            "key= (the `latest` policy's key) does not cross to the sidecar: subscribe with "
+            "placement='thread' to keep the newest event per key, or keep the newest per key "
+            "inside the subscriber"
+        )
     spec = spec_of(sub)
     if bus._sidecar is None:
         bus._sidecar = Sidecar(bus)  # it attaches itself

@@ -555,3 +555,15 @@ def test_a_batch_the_sidecar_cannot_read_costs_only_that_batch(
     s = bus.stats()[tally.name]  # type: ignore[index]
     assert (s.published, s.delivered, s.state) == (10, 9, "closed")
     assert any("eventbus_phantom_module" in r.getMessage() for r in caplog.records)
+
+
+def test_a_latest_key_for_a_sidecar_subscriber_is_refused_where_it_is_given(
+    new_bus: NewBus, tmp_path: Path
+) -> None:
+    """`key=` does not cross to the sidecar; it was dropped silently (every event kept)."""
+    bus = new_bus()
+    with pytest.raises(TypeError, match=r"key= .* does not cross to the sidecar"):
+        bus.subscribe(
+            Tally(str(tmp_path / "t")), placement="process", policy="latest", key=lambda e: 0
+        )
+    assert bus.stats().sidecar is None  # refused before any process started
