@@ -35,6 +35,7 @@ from eventbus.log import get_logger
 from eventbus.process import spawn, wire
 from eventbus.process.handle import SidecarHandle
 from eventbus.process.logrelay import LogRelay
+from eventbus.stats import BusStats
 
 __all__ = ["Host", "describe_error", "main"]
 
@@ -170,10 +171,12 @@ class Host:
             return
         self._reply(req, None, value)
 
-    def _end(self, rid: int, timeout: float) -> bool | None:
+    def _end(self, rid: int, timeout: float, parent: BusStats) -> bool | None:
         """Remove one subscriber and wait (up to `timeout`) until it drained and closed: what it
         published in its `on_close` goes to the parent with the answer, to reach the others.
+        `parent`: the training process's counters, final (a writer's last stats record).
         None: not here (never built)."""
+        self.handle.parent_stats = parent
         sub = self.subs.pop(rid, None)
         if sub is None:
             return None

@@ -91,8 +91,9 @@ class Closing:
         was = r.state
         self._remove(r)
         self._removed(None)  # everything before was sent (the close drained us first)
+        parent = self.bus._loop.stats(self.bus._deliveries)  # final: in-process ones closed
         with contextlib.suppress(RemoteError):  # dead (counted) or too slow (the close)
-            if self.request(wire.END, (rid, timeout), within=timeout) is None:
+            if self.request(wire.END, (rid, timeout, parent), within=timeout) is None:
                 r.state = was  # never built there (disabled): nothing to end
 
     def on_close(self) -> None:
