@@ -17,7 +17,7 @@ from typing import Any
 
 from eventbus.core.cost import cpu_timed
 from eventbus.core.markers import Markers
-from eventbus.core.queue import SubscriberQueue
+from eventbus.core.queue import SubscriberQueue, check_key
 from eventbus.core.strict import FirstFailure
 from eventbus.core.subscriber import State, SubscriberGone, is_async, takes_argument
 from eventbus.core.worker import ThreadWorker
@@ -63,7 +63,7 @@ class Delivery:
         self.maxsize = maxsize
         self.max_batch = max_batch
         self.max_bytes = max_bytes
-        self.key = key
+        self.key = check_key(key)  # a bad one: refused where it was subscribed
         self.max_consecutive_failures = max_consecutive_failures
         self.batched = hasattr(sub, "on_events")
         self.is_async = is_async(sub.on_events if self.batched else sub)
