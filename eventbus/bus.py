@@ -32,7 +32,7 @@ from eventbus.core.loop import BusLoop
 from eventbus.core.signals import SignalDrain
 from eventbus.core.sizing import QUICK, not_an_event, published_twice, quick_check
 from eventbus.core.subscriber import State, check_bus_args, name_for, subscribe_options, timeout_of
-from eventbus.core.subscription import Subscription
+from eventbus.core.subscription import Subscription, refuse_twice
 from eventbus.dist import rank_info
 from eventbus.events import Event
 from eventbus.stats import BusStats, log_close
@@ -208,6 +208,7 @@ class EventBus:
         with self._lifecycle:
             if self._state == _CLOSED:
                 raise RuntimeError("subscribe() on a closed bus: create a new EventBus")
+            refuse_twice(sub, self._deliveries)
             if o.placement == "process":
                 from eventbus.process.sidecar import place  # loaded when asked
 

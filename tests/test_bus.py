@@ -420,6 +420,21 @@ def test_bad_subscriptions_are_clear_errors(
         bus.subscribe(sub, **kwargs)
 
 
+def test_subscribing_the_same_object_twice_is_refused_until_removed() -> None:
+    """Twice subscribed, a sink got every event twice: a JSONL file with each line twice."""
+    bus = EventBus(handle_signals=False)
+    rec = Recorder()
+    h = bus.subscribe(rec)
+    with pytest.raises(ValueError, match=r"already subscribed.*'Recorder'.*remove\(\)"):
+        bus.subscribe(rec, events=[Loss])
+    with bus:
+        bus.publish(Loss(step=1, value=1.0))
+        h.remove()
+        bus.subscribe(rec)  # removed: it may come back
+        bus.publish(Loss(step=2, value=1.0))
+    assert [e.step for e in rec.got] == [1, 2]
+
+
 def test_ranks_filter_skips_other_ranks() -> None:
     bus = EventBus(rank=1, world_size=2)
     h = bus.subscribe(Recorder(), ranks=[0])

@@ -70,6 +70,7 @@ class Delivery:
         self.worker = ThreadWorker(name)
         self.queue: SubscriberQueue | None = None  # made on the loop (anyio events live there)
         self.state = State.PENDING
+        self.removing = False  # `remove()` was called (its Detach may still be queued)
         self.routed = 0  # events the router put in its queue (or handed over, in replay)
         self.delivered = 0
         self.failed = 0
