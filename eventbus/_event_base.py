@@ -70,6 +70,12 @@ def event_fields(cls: type) -> tuple[dataclasses.Field[Any], ...]:
     """
     fields = dataclasses.fields(cls)
     known = {f.name for f in fields}
+    if "type" in known:  # a log line's "type" is the class name: the field would replace it
+        raise TypeError(
+            f"{cls.__qualname__} has a field named 'type', which would overwrite the event "
+            "type in its JSONL line (replayed as another class, or unknown): rename it "
+            "(e.g. kind)"
+        )
     for klass in cls.__mro__:
         if klass is Event or klass is object:
             break

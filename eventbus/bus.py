@@ -31,8 +31,8 @@ from eventbus.core.inbox import BIG, Attach, Detach, Flush, Inbox, InboxMode
 from eventbus.core.loop import BusLoop
 from eventbus.core.signals import SignalDrain
 from eventbus.core.sizing import QUICK, not_an_event, published_twice, quick_check
-from eventbus.core.subscriber import State, check_bus_args, describe, subscribe_options, unique_name
-from eventbus.core.subscription import Subscription
+from eventbus.core.subscriber import State, check_bus_args, name_for, subscribe_options, timeout_of
+from eventbus.core.subscription import Subscription, refuse_twice
 from eventbus.dist import rank_info
 from eventbus.events import Event
 from eventbus.stats import BusStats, log_close
@@ -208,13 +208,14 @@ class EventBus:
         with self._lifecycle:
             if self._state == _CLOSED:
                 raise RuntimeError("subscribe() on a closed bus: create a new EventBus")
+            refuse_twice(sub, self._deliveries)
             if o.placement == "process":
                 from eventbus.process.sidecar import place  # loaded when asked
 
                 return place(self, sub, o, name, key)
             d = Delivery(
                 sub,
-                name=unique_name(name or describe(sub), self._names),
+                name=name_for(sub, name, self._names),
                 events=o.events,
                 policy=o.policy,
                 maxsize=o.maxsize,
@@ -290,7 +291,7 @@ class EventBus:
                 raise RuntimeError("flush() would deadlock when called from a subscriber")
             marker = Flush()
             self._inbox.put_control(marker)
-        done = marker.done.wait(self.close_timeout if timeout is None else timeout)
+        done = marker.done.wait(timeout_of("flush", timeout, self.close_timeout))
         return done and marker.ok
 
     def close(self, timeout: float | None = None) -> BusStats:
@@ -314,8 +315,7 @@ class EventBus:
                     self._finish()
                     return self.stats()
                 self.start()  # events are waiting for subscribers: deliver them
-            timeout = self.close_timeout if timeout is None else max(0.0, timeout)
-            deadline = time.monotonic() + timeout
+            deadline = time.monotonic() + timeout_of("close", timeout, self.close_timeout)
             self._loop.close(deadline)
         interrupt = self._loop.wait_closed(deadline)
         with self._lifecycle:

@@ -142,7 +142,10 @@ def _tensor_type() -> type | None:
 def _capture_value(  # noqa: PLR0911 - one return per kind
     v: Any, tensor: type, cap: _Capture, depth: int = 0
 ) -> tuple[Any, bool]:
-    """(captured value, whether anything in it needs resolving on the bus thread)."""
+    """(captured value, whether anything in it needs resolving on the bus thread).
+
+    A plain dict or list is copied (the walk builds the copy anyway): one the caller fills
+    anew each step must not change the events already published, as a tensor does not."""
     if isinstance(v, tensor):
         return cap.tensor(v), True
     if type(v) in CAPTURED:
@@ -159,17 +162,19 @@ def _capture_value(  # noqa: PLR0911 - one return per kind
             else:
                 out[k], f = _capture_value(x, tensor, cap, depth + 1)
                 found |= f
-        return (out, True) if found else (v, False)
+        return (out, found) if found or type(v) is dict else (v, False)
     if isinstance(v, list | tuple):
         if depth >= MAX_DEPTH:  # kept as it is below here (a cycle ends here too)
             cap.deep = True
             return v, False
         items = [_capture_value(x, tensor, cap, depth + 1) for x in v]
-        if any(f for _, f in items):
+        found = any(f for _, f in items)
+        copied = any(x is not y for (x, _), y in zip(items, v, strict=True))
+        if found or copied or type(v) is list:
             vals = [x for x, _ in items]
             if hasattr(v, "_fields"):  # a namedtuple
-                return type(v)(*vals), True
-            return (vals if isinstance(v, list) else tuple(vals)), True
+                return type(v)(*vals), found
+            return (vals if isinstance(v, list) else tuple(vals)), found
     return v, False
 
 
@@ -198,7 +203,8 @@ def capture_event(ev: Event) -> bool:
     """Capture the tensors in `ev`'s fields in place; True if any needs resolving later.
 
     Training thread. Containers (dict, list, tuple) are walked; a field holding a tensor is
-    replaced by a `Pending` (a container by a copy holding Pendings), never read here.
+    replaced by a `Pending` (a container by a copy holding Pendings), never read here; a plain
+    dict or list by a copy (the caller may fill it again for the next step).
     """
     names = FIELDS.get(type(ev))
     if names is None:
@@ -220,9 +226,9 @@ def capture_event(ev: Event) -> bool:
         if cap.deep:  # delivered as it is below MAX_DEPTH; the JSONL writer skips the event
             cap.deep = False
             _too_deep(ev, name)
-        if f:
+        if v2 is not v:  # tensors captured, or a container copied
             setattr(ev, name, v2)
-            found = True
+        found |= f
     if cap is not None:
         cap.fence()
     return found

@@ -21,7 +21,7 @@ import anyio
 
 from eventbus.control import Control
 from eventbus.core.delivery import Delivery
-from eventbus.core.subscriber import State, describe, event_types, unique_name
+from eventbus.core.subscriber import State, check_callable, describe, event_types, unique_name
 from eventbus.events import Event
 from eventbus.log import get_logger
 from eventbus.logformat import PathLike, log_files, log_ranks, read_log, write_events
@@ -66,6 +66,7 @@ class Replayer:
                     "replay() takes subscribers: objects with on_events(batch) or functions of "
                     f"one event; got {type(s).__qualname__}: {s!r:.80}"
                 )
+            check_callable(s)  # a class, or a function that takes no event: refused here
             self._subs.append(
                 Delivery(
                     s,

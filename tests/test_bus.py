@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from typing import Any
@@ -372,6 +373,18 @@ def test_publishing_a_non_event_is_a_clear_type_error(bus: EventBus, recorder: R
     assert len(recorder.got) == 1
 
 
+class _TakesNoBatch:
+    def on_events(self) -> None:  # forgot the batch
+        pass
+
+
+class _MaxsizeZero:
+    maxsize = 0  # read as "not set" and replaced by 10,000
+
+    def on_events(self, batch: list[Event]) -> None:
+        pass
+
+
 @pytest.mark.parametrize(
     ("sub", "kwargs", "err", "match"),
     [
@@ -382,6 +395,21 @@ def test_publishing_a_non_event_is_a_clear_type_error(bus: EventBus, recorder: R
         (print, {"policy": "drop_all"}, ValueError, "block, drop_oldest"),
         (print, {"maxsize": 0}, ValueError, "maxsize"),
         (print, {"placement": "gpu"}, ValueError, "placement"),
+        # each of these was accepted, then every event failed, or none ever came
+        (Recorder, {}, TypeError, "an instance"),  # the class, not an instance of it
+        (Loss, {}, TypeError, "an instance"),
+        (lambda: None, {}, TypeError, "one event"),
+        (lambda a, b: None, {}, TypeError, "one event"),
+        (_TakesNoBatch(), {}, TypeError, "on_events"),
+        (print, {"policy": 0}, ValueError, "policy"),
+        (print, {"policy": ""}, ValueError, "policy"),
+        (print, {"maxsize": True}, ValueError, "maxsize"),
+        (_MaxsizeZero(), {}, ValueError, "maxsize"),
+        (print, {"policy": "latest", "key": "name"}, TypeError, "key"),
+        (print, {"ranks": 0}, TypeError, "ranks"),
+        (print, {"ranks": "0"}, TypeError, "ranks"),  # rank 0 is not "0": never subscribed
+        (print, {"ranks": [None]}, TypeError, "ranks"),
+        (print, {"name": 3}, TypeError, "name"),
     ],
 )
 def test_bad_subscriptions_are_clear_errors(
@@ -390,6 +418,21 @@ def test_bad_subscriptions_are_clear_errors(
     bus = EventBus()
     with pytest.raises(err, match=match):
         bus.subscribe(sub, **kwargs)
+
+
+def test_subscribing_the_same_object_twice_is_refused_until_removed() -> None:
+    """Twice subscribed, a sink got every event twice: a JSONL file with each line twice."""
+    bus = EventBus(handle_signals=False)
+    rec = Recorder()
+    h = bus.subscribe(rec)
+    with pytest.raises(ValueError, match=r"already subscribed.*'Recorder'.*remove\(\)"):
+        bus.subscribe(rec, events=[Loss])
+    with bus:
+        bus.publish(Loss(step=1, value=1.0))
+        h.remove()
+        bus.subscribe(rec)  # removed: it may come back
+        bus.publish(Loss(step=2, value=1.0))
+    assert [e.step for e in rec.got] == [1, 2]
 
 
 def test_ranks_filter_skips_other_ranks() -> None:
@@ -527,3 +570,48 @@ def test_bad_bus_options_are_clear_errors() -> None:
     ):
         with pytest.raises(ValueError, match=next(iter(kw))):
             EventBus(**kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("timeout", [math.nan, "1", True])
+@pytest.mark.parametrize("method", ["close", "flush"])
+def test_a_bad_timeout_is_refused_and_loses_nothing(method: str, timeout: Any) -> None:
+    """`close(timeout=nan)` read as 0 and abandoned a lossless subscriber's queue."""
+    bus = EventBus(handle_signals=False)
+    got: list[Event] = []
+    gate = threading.Event()
+
+    def slow(ev: Event) -> None:
+        gate.wait(10)
+        got.append(ev)
+
+    bus.subscribe(slow, policy="block")
+    with bus:
+        for i in range(100):
+            bus.publish(Loss(step=i, value=1.0))
+        with pytest.raises((ValueError, TypeError), match="timeout"):
+            getattr(bus, method)(timeout=timeout)
+        assert bus.running
+        gate.set()
+    assert len(got) == 100
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"drain_interval": math.nan},  # the bus thread died of it at its first wait
+        {"close_timeout": math.nan},
+        {"hang_timeout": math.nan},
+        {"max_consecutive_failures": "3"},  # the bus thread died at the first failure
+        {"max_consecutive_failures": 0},
+        {"rank": "0"},  # stamped on every event; ranks=[0] never matched
+        {"rank": -1},
+        {"world_size": 0},
+        {"handle_signals": "no"},  # a truthy string installed the handler
+        {"strict": "yes"},
+        {"name": None},
+    ],
+    ids=lambda kw: "-".join(f"{k}={v!r}" for k, v in kw.items()),
+)
+def test_every_bad_bus_option_is_refused_naming_it(kw: dict[str, Any]) -> None:
+    with pytest.raises((ValueError, TypeError), match=list(kw)[-1]):
+        EventBus(**kw)

@@ -87,6 +87,22 @@ def test_a_subclass_without_dataclass_is_refused_where_it_is_first_used() -> Non
         EventBus().publish(_Undecorated(step=1))  # the first publish of the class
 
 
+@dataclasses.dataclass(slots=True, kw_only=True)
+class _TypeField(Event):
+    type: str = "Loss"  # would overwrite the line's "type": replayed as a Loss
+    value: float = 1.0
+
+
+def test_a_field_named_type_is_refused_where_the_class_is_first_used() -> None:
+    hint = r"_TypeField.*field named 'type'.*rename it"
+    with pytest.raises(TypeError, match=hint):
+        event_fields(_TypeField)
+    with pytest.raises(TypeError, match=hint):
+        encode(_TypeField(step=1))
+    with pytest.raises(TypeError, match=hint):
+        EventBus().publish(_TypeField(step=1))  # the first publish of the class
+
+
 def test_decorated_subclasses_class_vars_and_field_less_aliases_are_fine() -> None:
     @dataclasses.dataclass(slots=True, kw_only=True)
     class Tuned(Event):

@@ -244,6 +244,10 @@ def test_missing_inputs_and_bad_subscribers_are_clear_errors(tmp_path: Path) -> 
     log = _log(tmp_path / "l.jsonl", [Loss(step=1, value=1.0)])
     with pytest.raises(TypeError, match="replay\\(\\) takes subscribers"):
         replay(log, [42])
+    with pytest.raises(TypeError, match="an instance"):  # every event would fail on these
+        replay(log, Recorder)
+    with pytest.raises(TypeError, match="one event"):
+        replay(log, [lambda: None])
 
 
 @pytest.mark.asyncio

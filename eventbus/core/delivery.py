@@ -1,9 +1,7 @@
-"""`Delivery`: the one place that calls a subscriber's code, wherever the subscriber runs.
-
-The live bus, `replay` and a process-placed subscriber's child call subscribers through it:
-hooks, batches or one event at a time, failures, disabling, timing, the subscriber's state.
-Async code runs on the loop, sync code on the subscriber's own worker thread. Anything it
-raises, `BaseException` included, is counted and logged; it never ends the loop.
+"""`Delivery`: the one place that calls a subscriber's code, wherever it runs (the live bus,
+`replay`, the sidecar): hooks, batches or one event at a time, failures, disabling, timing, its
+state. Async code runs on the loop, sync code on the subscriber's own worker thread. Anything
+it raises, `BaseException` included, is counted and logged; it never ends the loop.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from typing import Any
 
 from eventbus.core.cost import cpu_timed
 from eventbus.core.markers import Markers
-from eventbus.core.queue import SubscriberQueue
+from eventbus.core.queue import SubscriberQueue, check_key
 from eventbus.core.strict import FirstFailure
 from eventbus.core.subscriber import State, SubscriberGone, failed_part, is_async, takes_argument
 from eventbus.core.worker import ThreadWorker
@@ -63,13 +61,14 @@ class Delivery:
         self.maxsize = maxsize
         self.max_batch = max_batch
         self.max_bytes = max_bytes
-        self.key = key
+        self.key = check_key(key)  # a bad one: refused where it was subscribed
         self.max_consecutive_failures = max_consecutive_failures
         self.batched = hasattr(sub, "on_events")
         self.is_async = is_async(sub.on_events if self.batched else sub)
         self.worker = ThreadWorker(name)
         self.queue: SubscriberQueue | None = None  # made on the loop (anyio events live there)
         self.state = State.PENDING
+        self.removing = False  # `remove()` was called (its Detach may still be queued)
         self.routed = 0  # events the router put in its queue (or handed over, in replay)
         self.delivered = 0
         self.failed = 0

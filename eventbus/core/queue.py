@@ -12,17 +12,24 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from itertools import repeat
 from operator import call
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import anyio
 
 from eventbus.events import Event
 from eventbus.log import RateLimiter, get_logger
 
-__all__ = ["POLICIES", "QueueStatistics", "SubscriberQueue", "default_key"]
+__all__ = ["POLICIES", "QueueStatistics", "SubscriberQueue", "check_key", "default_key"]
 
 POLICIES: tuple[str, ...] = ("block", "drop_oldest", "drop_newest", "latest")
 _key_log = RateLimiter(10.0)
+
+
+def check_key(key: Any) -> Callable[[Event], Hashable] | None:
+    """`key=` as given, if it is None or a function; else a TypeError saying what it takes."""
+    if key is not None and not callable(key):
+        raise TypeError(f"key= takes a function of one event (policy='latest'), got {key!r}")
+    return key  # type: ignore[no-any-return]
 
 
 def default_key(ev: Event) -> Hashable:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import enum
 import inspect
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from eventbus.core.queue import POLICIES
@@ -17,13 +18,16 @@ __all__ = [
     "State",
     "SubscribeOptions",
     "SubscriberGone",
+    "check_callable",
     "describe",
     "event_types",
     "failed_part",
     "is_async",
+    "name_for",
     "positive",
     "subscribe_options",
     "takes_argument",
+    "timeout_of",
     "unique_name",
 ]
 
@@ -86,6 +90,14 @@ def unique_name(base: str, taken: set[str]) -> str:
     return name
 
 
+def name_for(sub: Any, name: Any, taken: set[str]) -> str:
+    """The unique name of a new subscription: `name=` if given (a non-empty str), else
+    `describe(sub)`; `#2`, `#3`, ... added when taken."""
+    if name is not None and (not isinstance(name, str) or not name):
+        raise TypeError(f"name= must be a non-empty str (stats and state_dict keys), got {name!r}")
+    return unique_name(name or describe(sub), taken)
+
+
 def is_async(fn: Any) -> bool:
     """Whether calling `fn` gives a coroutine (an `async def`, or an object with one as
     `__call__`)."""
@@ -128,35 +140,72 @@ def subscribe_options(
 ) -> SubscribeOptions:
     """Check what `subscribe()` was given; defaults come from the subscriber's attributes
     (`events`, `policy`, `maxsize`, `max_batch`, `placement`, `ranks`)."""
-    if not (hasattr(sub, "on_events") or callable(sub)):
+    check_callable(sub)
+    types = event_types(events if events is not None else getattr(sub, "events", None))
+    policy = _option(sub, "policy", policy, "drop_oldest")
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+    maxsize = _option(sub, "maxsize", maxsize, 10_000)
+    if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 1:
+        raise ValueError(f"maxsize must be a positive int, got {maxsize!r}")
+    max_batch = _option(sub, "max_batch", max_batch, 512)
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
+    placement = _option(sub, "placement", placement, "thread")
+    if placement not in ("thread", "process"):
+        raise ValueError(f"placement must be 'thread' or 'process', got {placement!r}")
+    return SubscribeOptions(
+        types, policy, maxsize, max_batch, placement, _ranks(_option(sub, "ranks", ranks, None))
+    )
+
+
+def _option(sub: Any, name: str, given: Any, default: Any) -> Any:
+    """`subscribe(name=)` if given, else the subscriber's attribute, else `default`; a falsy
+    value given (`policy=""`, `maxsize=0`) is checked, never read as "not set"."""
+    if given is not None:
+        return given
+    value = getattr(sub, name, None)
+    return default if value is None else value
+
+
+def _ranks(ranks: Any) -> frozenset[int] | None:
+    """`ranks=`: an iterable of ints (a str or a lone int would never match a rank)."""
+    if ranks is None:
+        return None
+    bad = isinstance(ranks, str | bytes) or not isinstance(ranks, Iterable)
+    if not bad:
+        ranks = tuple(ranks)
+        bad = not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks)
+    if bad:
+        raise TypeError(f"ranks= takes the ranks as ints (e.g. ranks=[0]), got {ranks!r}")
+    return frozenset(ranks)
+
+
+def check_callable(sub: Any) -> None:
+    """Refuse, where it is subscribed, what every event would fail on: a class rather than an
+    instance, an `on_events` that takes no batch, a function that takes no single event."""
+    batched = hasattr(sub, "on_events")
+    if isinstance(sub, type):
+        raise TypeError(
+            f"subscribe() got the class {sub.__qualname__}; pass an instance of it "
+            f"({sub.__qualname__}(...)) or a function called with one event"
+        )
+    if not (batched or callable(sub)):
         raise TypeError(
             "subscribe() takes an object with an on_events(batch) method or a function "
             f"called with one event; got {type(sub).__qualname__}: {sub!r:.80}"
         )
-    if hasattr(sub, "on_events") and not callable(sub.on_events):
-        raise TypeError(f"{type(sub).__qualname__}.on_events is not callable")
-    types = event_types(events if events is not None else getattr(sub, "events", None))
-    policy = policy or getattr(sub, "policy", None) or "drop_oldest"
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
-    maxsize = maxsize if maxsize is not None else getattr(sub, "maxsize", None) or 10_000
-    if not isinstance(maxsize, int) or maxsize < 1:
-        raise ValueError(f"maxsize must be a positive int, got {maxsize!r}")
-    max_batch = max_batch if max_batch is not None else getattr(sub, "max_batch", None) or 512
-    if not isinstance(max_batch, int) or max_batch < 1:
-        raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
-    placement = placement or getattr(sub, "placement", None) or "thread"
-    if placement not in ("thread", "process"):
-        raise ValueError(f"placement must be 'thread' or 'process', got {placement!r}")
-    ranks = ranks if ranks is not None else getattr(sub, "ranks", None)
-    return SubscribeOptions(
-        types,
-        policy,
-        maxsize,
-        max_batch,
-        placement,
-        frozenset(ranks) if ranks is not None else None,
-    )
+    fn = sub.on_events if batched else sub
+    what = f"{type(sub).__qualname__}.on_events" if batched else describe(sub)
+    if not callable(fn):
+        raise TypeError(f"{what} is not callable")
+    try:
+        inspect.signature(fn).bind(None)
+    except ValueError:  # a builtin without a signature: called as it is
+        pass
+    except TypeError as e:
+        takes = "the batch (a list of events)" if batched else "one event"
+        raise TypeError(f"{what} must take {takes} as its one argument: {e}") from None
 
 
 def positive(name: str, value: Any, kind: type, *, least: int | None = None) -> None:
@@ -165,6 +214,7 @@ def positive(name: str, value: Any, kind: type, *, least: int | None = None) -> 
     if (
         isinstance(value, bool)
         or not isinstance(value, int | float)
+        or math.isnan(value)  # every comparison with NaN is False: it would pass the next
         or (value <= 0 if least is None else value < least)
         or (kind is int and not isinstance(value, int))
     ):
@@ -183,12 +233,33 @@ _BUS_ARGS: dict[str, tuple[type, int | None]] = {
     "inbox_maxsize": (int, 2),
     "stop_check_every": (int, 1),
     "cost_every": (int, 1),
+    "max_consecutive_failures": (int, 1),
+    "rank": (int, 0),
+    "world_size": (int, 1),
 }
-_MAY_BE_NONE = ("hang_timeout", "cost_every")
+_MAY_BE_NONE = ("hang_timeout", "cost_every", "max_consecutive_failures", "rank", "world_size")
 
 
 def check_bus_args(args: dict[str, Any]) -> None:
-    """Refuse a bad numeric `EventBus(...)` argument with a ValueError that names it."""
+    """Refuse a bad `EventBus(...)` argument with a ValueError or TypeError that names it
+    (read later on the bus thread, a bad one killed it there)."""
     for name, (kind, least) in _BUS_ARGS.items():
         if not (args[name] is None and name in _MAY_BE_NONE):
             positive(name, args[name], kind, least=least)
+    for name in ("handle_signals", "strict"):
+        if not isinstance(args[name], bool):
+            raise TypeError(f"{name} must be True or False, got {args[name]!r}")
+    if not isinstance(args["name"], str) or not args["name"]:
+        raise TypeError(
+            f"name must be a non-empty str (the bus thread's name), got {args['name']!r}"
+        )
+
+
+def timeout_of(call: str, timeout: Any, default: float) -> float:
+    """`flush(timeout=)` / `close(timeout=)` as seconds: None gives `default`, a negative one
+    0; anything else not a number (NaN included) is a ValueError, before any waiting."""
+    if timeout is None:
+        return default
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or math.isnan(timeout):
+        raise ValueError(f"{call}(timeout=) takes seconds (a number) or None, got {timeout!r}")
+    return max(0.0, float(timeout))

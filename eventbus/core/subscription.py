@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from eventbus.core.delivery import Delivery
 from eventbus.core.subscriber import State
 from eventbus.stats import SubscriberStats
 
-__all__ = ["Subscription"]
+__all__ = ["Subscription", "refuse_twice"]
 
 
 class Subscription:
@@ -26,11 +27,7 @@ class Subscription:
     @property
     def active(self) -> bool:
         """False when `ranks=` excluded this rank, or after `remove()`."""
-        return self._delivery is not None and self._delivery.state in (
-            State.PENDING,
-            State.RUNNING,
-            State.DISABLED,
-        )
+        return self._delivery is not None and _active(self._delivery)
 
     @property
     def closed(self) -> bool:
@@ -41,6 +38,7 @@ class Subscription:
     def remove(self) -> None:
         """Detach: events published from now on are not routed to it; queued ones still are."""
         if self._delivery is not None:
+            self._delivery.removing = True
             self._detach(self._delivery)
 
     def stats(self) -> SubscriberStats | None:
@@ -52,3 +50,21 @@ class Subscription:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+
+def _active(d: Delivery) -> bool:
+    return not d.removing and d.state in (State.PENDING, State.RUNNING, State.DISABLED)
+
+
+def refuse_twice(sub: Any, deliveries: Iterable[Delivery]) -> None:
+    """An object with `on_events` subscribed again while its first subscription is active
+    would get every event twice (a sink: each line written twice): a clear ValueError."""
+    if not hasattr(sub, "on_events"):
+        return  # a function may be subscribed for other events again
+    for d in deliveries:
+        if d.sub is sub and _active(d):
+            raise ValueError(
+                f"this {type(sub).__qualname__} is already subscribed to this bus (as "
+                f"{d.name!r}); it would get every event twice: remove() that subscription "
+                "first, or subscribe a new instance"
+            )
