@@ -208,7 +208,7 @@ class EventBus:
         with self._lifecycle:
             if self._state == _CLOSED:
                 raise RuntimeError("subscribe() on a closed bus: create a new EventBus")
-            refuse_twice(sub, self._deliveries)
+            refuse_twice(sub, self._deliveries, self._sidecar)
             if o.placement == "process":
                 from eventbus.process.sidecar import place  # loaded when asked
 

@@ -52,16 +52,18 @@ class Subscription:
         self.remove()
 
 
-def _active(d: Delivery) -> bool:
+def _active(d: Any) -> bool:
     return not d.removing and d.state in (State.PENDING, State.RUNNING, State.DISABLED)
 
 
-def refuse_twice(sub: Any, deliveries: Iterable[Delivery]) -> None:
+def refuse_twice(sub: Any, deliveries: Iterable[Delivery], sidecar: Any = None) -> None:
     """An object with `on_events` subscribed again while its first subscription is active
-    would get every event twice (a sink: each line written twice): a clear ValueError."""
+    would get every event twice (a sink: each line written twice; two copies in the sidecar
+    writing one file): a clear ValueError. `sidecar`: the bus's, whose subscribers count too."""
     if not hasattr(sub, "on_events"):
         return  # a function may be subscribed for other events again
-    for d in deliveries:
+    remotes = sidecar.remotes.values() if sidecar is not None else ()
+    for d in [*deliveries, *remotes]:
         if d.sub is sub and _active(d):
             raise ValueError(
                 f"this {type(sub).__qualname__} is already subscribed to this bus (as "

@@ -15,8 +15,12 @@ __all__ = ["Remote"]
 class Remote:
     """A subscriber in the sidecar as the parent sees it: name, options, counters."""
 
-    def __init__(self, rid: int, name: str, spec: ProcessSubscriber, o: SubscribeOptions) -> None:
+    def __init__(
+        self, rid: int, name: str, spec: ProcessSubscriber, o: SubscribeOptions, sub: Any = None
+    ) -> None:
         self.id = rid
+        self.sub = sub  # the object subscribed (subscribing it again is refused while active)
+        self.removing = False  # as a Delivery's: `remove()` takes effect at once
         self.name = name
         self.spec = spec
         self.events = o.events

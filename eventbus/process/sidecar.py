@@ -28,7 +28,7 @@ import anyio
 
 from eventbus.core.delivery import Delivery
 from eventbus.core.fork import call_after_fork
-from eventbus.core.subscriber import State, SubscribeOptions, unique_name
+from eventbus.core.subscriber import State, SubscribeOptions, name_for
 from eventbus.core.subscription import Subscription
 from eventbus.events import Event
 from eventbus.log import get_logger
@@ -64,9 +64,10 @@ def place(
             "inside the subscriber"
         )
     spec = spec_of(sub)
+    unique = name_for(spec, name, bus._names)  # a bad name= refused before a process starts
     if bus._sidecar is None:
         bus._sidecar = Sidecar(bus)  # it attaches itself
-    return bus._sidecar.subscribe(sub, spec, o, name)
+    return bus._sidecar.subscribe(sub, spec, o, unique)
 
 
 class Sidecar(Closing, Reports):
@@ -141,12 +142,12 @@ class Sidecar(Closing, Reports):
     # -- subscribing (the caller's thread) -------------------------------------------------
 
     def subscribe(
-        self, sub: Any, spec: ProcessSubscriber, o: SubscribeOptions, name: str | None
+        self, sub: Any, spec: ProcessSubscriber, o: SubscribeOptions, name: str
     ) -> Subscription:
-        """Place `sub` in the sidecar (built there as `spec_of(sub)` says)."""
+        """Place `sub` in the sidecar (built there as `spec_of(sub)` says) as `name` (unique)."""
         with self._cond:
             self._ids += 1
-            r = Remote(self._ids, unique_name(name or spec.name, self.bus._names), spec, o)
+            r = Remote(self._ids, name, spec, o, sub)
             self.remotes[r.id] = r
             self._routes.clear()
             if self.gave_up is None:
@@ -164,7 +165,7 @@ class Sidecar(Closing, Reports):
         detach travels through the inbox); the sidecar drops it once those are sent."""
         with self._cond:
             if r.state in (State.PENDING, State.RUNNING, State.DISABLED):
-                r.state = State.REMOVED
+                r.state, r.removing = State.REMOVED, True
                 r.remove_at = next(copy.copy(self.bus._seq))  # the next event's seq
                 cut = self._cut
                 self._cut = r.remove_at if cut is None else min(cut, r.remove_at)

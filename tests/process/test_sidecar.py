@@ -567,3 +567,31 @@ def test_a_latest_key_for_a_sidecar_subscriber_is_refused_where_it_is_given(
             Tally(str(tmp_path / "t")), placement="process", policy="latest", key=lambda e: 0
         )
     assert bus.stats().sidecar is None  # refused before any process started
+
+
+def test_one_object_subscribed_twice_is_refused_across_placements(
+    new_bus: NewBus, tmp_path: Path
+) -> None:
+    """Two copies of one writer in the sidecar (or one there, one here) would write every
+    line twice into one file; refused while the first subscription is active, as in-process."""
+    bus = new_bus()
+    writer = JsonlWriter(tmp_path)
+    first = bus.subscribe(writer)  # the sidecar, by default
+    with pytest.raises(ValueError, match="already subscribed to this bus"):
+        bus.subscribe(writer)
+    with pytest.raises(ValueError, match="already subscribed to this bus"):
+        bus.subscribe(writer, placement="thread")
+    first.remove()
+    bus.subscribe(writer, placement="thread")  # once removed, it may be subscribed again
+    with pytest.raises(ValueError, match="already subscribed to this bus"):
+        bus.subscribe(writer)
+
+
+@pytest.mark.parametrize("name", [3, ""])
+def test_a_bad_name_for_a_sidecar_subscriber_is_refused_before_a_process_starts(
+    new_bus: NewBus, tmp_path: Path, name: object
+) -> None:
+    bus = new_bus()
+    with pytest.raises(TypeError, match="name= must be a non-empty str"):
+        bus.subscribe(Tally(str(tmp_path / "t")), placement="process", name=name)  # type: ignore[arg-type]
+    assert bus.stats().sidecar is None
