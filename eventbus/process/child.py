@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -41,6 +42,7 @@ __all__ = ["Host", "describe_error", "main"]
 
 STATUS_EVERY = 0.25  # seconds between counter reports to the parent (and on demand)
 CHUNK = 4096  # of those, sent per message
+ORPHAN_GRACE_S = 2.0  # parent gone: how long the reading may take to end before we close
 
 
 class Host:
@@ -62,6 +64,7 @@ class Host:
             world_size=1,
             name=f"{info['name']}-sidecar",
             drain_interval=info["drain_interval"],
+            close_timeout=info["close_timeout"],
             hang_timeout=info["hang_timeout"],
             max_consecutive_failures=info["max_consecutive_failures"],
             handle_signals=False,
@@ -75,6 +78,7 @@ class Host:
         self.subs: dict[int, Subscription] = {}
         self.own: dict[str, Any] = {}  # subscribers with a `stats()` of their own, by name
         self._unacked = 0  # bytes of batches taken in and not yet acknowledged
+        self._read_done = threading.Event()  # the reading ended (the parent closed us, or left)
         self._main_imported = False
 
     def serve(self) -> None:
@@ -85,6 +89,7 @@ class Host:
             while self._serve_one():
                 pass
         finally:
+            self._read_done.set()
             self._closed.set()
             if self.bus.running:  # the parent is gone: keep what we received
                 self.bus.close()
@@ -127,6 +132,14 @@ class Host:
                 target=self._request, args=(op, req, arg), name="eventbus-sidecar-ask", daemon=True
             ).start()
         return True
+
+    def parent_gone(self) -> None:
+        """On the watch thread, once the parent is gone and our reading was shut: if the
+        reading does not end (it waits for room that a hung lossless subscriber holds, with no
+        hang timeout), close the bus from here, within its deadline: nobody is left to wait
+        for, and the process must not outlive its parent (the hung one is abandoned)."""
+        if not self._read_done.wait(ORPHAN_GRACE_S):
+            self.bus.close()
 
     def _add(self, add: wire.AddInfo) -> None:
         try:
@@ -280,15 +293,17 @@ def describe_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}\n--- sidecar traceback ---\n{tb}"
 
 
-def _watch_parent(ppid: int, sock: socket.socket) -> None:
+def _watch_parent(ppid: int, sock: socket.socket, gone: Callable[[], None]) -> None:
     """A forked DataLoader worker may keep the parent's end of the socket open: look at our
-    parent too, and end the reading when it is gone (the sidecar then drains and exits)."""
+    parent too, and end the reading when it is gone (the sidecar then drains and exits);
+    then `gone()`."""
 
     def run() -> None:
         while os.getppid() == ppid:
             time.sleep(0.2)
         with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RD)
+        gone()
 
     threading.Thread(target=run, name="eventbus-parent-watch", daemon=True).start()
 
@@ -308,10 +323,10 @@ def main() -> None:
     except (EOFError, OSError):
         return
     info: wire.StartInfo = pickle.loads(msg[1:])
-    _watch_parent(info["ppid"], sock)
     if info["nice"] and hasattr(os, "nice"):
         with contextlib.suppress(OSError):
             os.nice(info["nice"])  # background work: training keeps the CPU it needs
     host = Host(conn, info)
+    _watch_parent(info["ppid"], sock, host.parent_gone)
     host._send(("ready", time.time() - t0))
     host.serve()

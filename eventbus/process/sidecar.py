@@ -132,6 +132,7 @@ class Sidecar(Closing, Reports):
             "ppid": os.getpid(),
             "nice": self.nice,
             "drain_interval": b.drain_interval,
+            "close_timeout": b.close_timeout,
             # The sidecar finds its own hung subscriber before our router finds us waiting.
             "hang_timeout": None if hang is None else hang / 2,
             "max_consecutive_failures": b.max_consecutive_failures,

@@ -91,6 +91,7 @@ class StartInfo(TypedDict):
     ppid: int
     nice: int
     drain_interval: float
+    close_timeout: float  # the sidecar's own close when the training process is gone
     hang_timeout: float | None
     max_consecutive_failures: int | None
     max_bytes: int  # bound of the sidecar's inbox and of each queue, in bytes of big events

@@ -144,3 +144,54 @@ def test_kill_ends_a_child_that_ignores_sigterm() -> None:
     assert not child.is_alive()
     assert child.exitcode == -signal.SIGKILL
     assert "killed by signal 9" in child.why_dead("x", "no reply")
+
+
+ORPHAN_SCRIPT = """
+import sys
+sys.path.insert(0, {root!r})
+from eventbus import EventBus
+from tests.process.subs import BigBlob, Gate
+if __name__ == "__main__":
+    mib = 1 << 20
+    bus = EventBus(close_timeout=2, hang_timeout=None, queue_max_bytes=4 * mib)
+    bus.subscribe(Gate({gate!r}), placement="process", maxsize=1)  # hangs, lossless
+    bus.start()
+    bus.flush(60)
+    print(bus.stats().sidecar.pid, flush=True)
+    for i in range(12):  # its queue, then the sidecar's inbox fill: its reading waits for room
+        bus.publish(BigBlob(step=i, data="x" * mib))
+    import time
+    seen, since = None, time.monotonic()
+    while time.monotonic() - since < 1.0:  # a second with nothing taken in: it waits for room
+        side = bus.stats().sidecar
+        now = (side.sent_events, side.in_flight_bytes)
+        if now != seen or not side.in_flight_bytes:
+            seen, since = now, time.monotonic()
+        time.sleep(0.05)
+    print("blocked", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_sidecar_whose_reading_a_hung_subscriber_holds_does_not_outlive_its_parent(
+    tmp_path: Path,
+) -> None:
+    """With no hang timeout, a hung lossless sidecar subscriber holds the sidecar's reading
+    (as it holds our bus); once the parent is gone the sidecar closes anyway, within its
+    close deadline, and exits: it stayed for as long as the subscriber hung (for ever)."""
+    script = tmp_path / "train.py"
+    script.write_text(ORPHAN_SCRIPT.format(root=str(ROOT), gate=str(tmp_path / "never")))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    sidecar = None
+    try:
+        assert parent.stdout is not None
+        sidecar = int(parent.stdout.readline())
+        assert parent.stdout.readline().strip() == "blocked"
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(10)
+        assert gone(sidecar, 30), "the sidecar outlived its SIGKILLed parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(5)
+        (tmp_path / "never").write_text("")  # let it go, whatever happened
