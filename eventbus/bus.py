@@ -295,12 +295,10 @@ class EventBus:
         return done and marker.ok
 
     def close(self, timeout: float | None = None) -> BusStats:
-        """Drain every subscriber, call their `on_close`, stop the thread; idempotent.
-
-        Each subscriber gets a fair share of `timeout` (default `close_timeout`); one still
-        busy after its share is abandoned and named in the returned stats (`hung`). A Ctrl-C
-        while closing keeps draining; a second one gives up and counts what is lost.
-        """
+        """Drain every subscriber, call their `on_close`, stop the thread; idempotent. Each
+        gets a fair share of `timeout` (default `close_timeout`); one still busy after it is
+        abandoned, named in the stats (`hung`). A Ctrl-C while closing keeps draining; a
+        second one gives up and counts what is lost."""
         if self._state == _FORKED:
             return self.stats()
         if self._inbox.on_bus_side():
@@ -319,9 +317,10 @@ class EventBus:
             self._loop.close(deadline)
         interrupt = self._loop.wait_closed(deadline)
         with self._lifecycle:
-            if self._loop.alive:  # the loop itself is blocked (sync code inside async def)
-                self._loop.abandon_blocked()
-            self._finish()
+            if self._state != _CLOSED:  # two threads closing at once: the first finishes it
+                if self._loop.alive:  # the loop itself is blocked (sync code inside async def)
+                    self._loop.abandon_blocked()
+                self._finish()
         if interrupt is not None:
             raise interrupt
         return self._ending.closed(self.stats())  # strict: raises the first failure

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import threading
 import time
@@ -615,3 +616,43 @@ def test_a_bad_timeout_is_refused_and_loses_nothing(method: str, timeout: Any) -
 def test_every_bad_bus_option_is_refused_naming_it(kw: dict[str, Any]) -> None:
     with pytest.raises((ValueError, TypeError), match=list(kw)[-1]):
         EventBus(**kw)
+
+
+def test_two_threads_closing_at_once_finish_it_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Both wait for the same shutdown; only one finishes it (the close was reported twice,
+    and the sidecar released twice)."""
+    release = threading.Event()
+
+    class SlowClose:
+        def on_events(self, batch: list[Event]) -> None:
+            raise RuntimeError("a failure: the close report is a warning, said once")
+
+        def on_close(self) -> None:
+            release.wait(10)
+
+    bus = EventBus(drain_interval=0.002)
+    bus.subscribe(SlowClose())
+    bus.start()
+    bus.publish(Loss(step=1, value=1.0))
+    assert bus.flush(timeout=10)
+    entered: list[float] = []
+    both = threading.Event()
+    wait_closed = bus._loop.wait_closed
+
+    def counted(deadline: float) -> KeyboardInterrupt | None:
+        entered.append(deadline)
+        if len(entered) == 2:
+            both.set()
+        return wait_closed(deadline)
+
+    bus._loop.wait_closed = counted  # type: ignore[method-assign]
+    with caplog.at_level(logging.INFO, logger="eventbus"):
+        closers = [threading.Thread(target=bus.close) for _ in range(2)]
+        for t in closers:
+            t.start()
+        assert both.wait(10)  # both are inside close(), waiting for the same shutdown
+        release.set()
+        for t in closers:
+            t.join(10)
+    said = [r for r in caplog.records if r.getMessage().startswith("event='eventbus closed")]
+    assert len(said) == 1, [r.getMessage() for r in said]
