@@ -104,7 +104,10 @@ class _Remote(Exception):
 
 
 def _call(fn: Callable[[str], Any] | str, path: str, conn: Any) -> None:
-    """The spawned process's side: call `fn(path)`, send back ("ok", result) or ("error", text)."""
+    """The spawned process's side: call `fn(path)`, send back ("ok", result) or ("error", text).
+    In a session of its own: a timeout kills what the function started too."""
+    with contextlib.suppress(OSError):
+        os.setsid()
     try:
         target = load_object(fn) if isinstance(fn, str) else fn
         result = target(path)
@@ -140,8 +143,11 @@ async def run_function(fn: Callable[[str], Any] | str, path: str) -> Any:
     except EOFError:
         reply = None
     finally:
-        if not answered and proc.is_alive():
-            proc.kill()  # cancelled (a timeout, the close deadline): never left behind
+        pid = proc.pid
+        if not answered and pid is not None and proc.is_alive():  # cancelled (a timeout, the
+            with contextlib.suppress(OSError):  # close deadline): what it started goes too
+                os.killpg(pid, signal.SIGKILL)  # its group (none yet if it is still starting)
+            proc.kill()  # never left behind
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(proc.join, 5)
         if proc.is_alive():

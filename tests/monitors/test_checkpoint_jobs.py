@@ -30,6 +30,19 @@ def explode(path: str) -> dict[str, float]:
     raise ValueError(f"no model at {path}")
 
 
+def start_a_worker_and_wait(path: str) -> dict[str, float]:
+    """A job function that starts a process of its own (writing its pid to `path`), then
+    runs on past any timeout."""
+    import subprocess
+    import sys
+    import time
+
+    code = f"import os, time; open({path!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    subprocess.Popen([sys.executable, "-c", code])
+    time.sleep(60)
+    return {}
+
+
 def _bus() -> EventBus:
     return EventBus(drain_interval=0.002, close_timeout=30)
 
@@ -181,6 +194,23 @@ def test_a_timeout_kills_what_the_job_started_too(tmp_path: Path) -> None:
     pid = int(pid_file.read_text())
     try:
         _until(lambda: _gone(pid), "the job's own child to be killed", timeout=10)
+    finally:
+        if not _gone(pid):
+            os.kill(pid, 9)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_timeout_kills_what_a_function_job_started_too(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    jobs = CheckpointJobs(fn=start_a_worker_and_wait, timeout=4.0)  # both start well before
+    bus = _bus()
+    bus.subscribe(jobs)
+    with bus:
+        bus.publish(CheckpointSaved(step=1, path=str(pid_file)))
+    assert "timed out after 4 s and was killed" in jobs.failures[0]
+    pid = int(pid_file.read_text())
+    try:
+        _until(lambda: _gone(pid), "the function's own child to be killed", timeout=10)
     finally:
         if not _gone(pid):
             os.kill(pid, 9)
