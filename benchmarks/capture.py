@@ -109,6 +109,9 @@ def _publish_costs(quick: bool, device: str) -> dict[str, Any]:
     def scalars8(n: int) -> Sequence[Any]:
         return [Scalars(step=i, values={f"m{j}": t for j, t in enumerate(eight)}) for i in range(n)]
 
+    def floats10(n: int) -> Sequence[Any]:  # a logger's dict of plain numbers (HF's logs)
+        return [Scalars(step=i, values={f"m{j}": 0.5 * j for j in range(10)}) for i in range(n)]
+
     tag = "" if device == "cpu" else "cuda_"
     contenders: dict[str, tuple[Callable[[int], Sequence[Any]], Callable[[Any], Any]]] = {
         f"{tag}tensor_scalar": (tensor, bus1.publish),
@@ -117,6 +120,7 @@ def _publish_costs(quick: bool, device: str) -> dict[str, Any]:
     }
     if device == "cpu":
         contenders["plain_event"] = (plain, bus1.publish)
+        contenders["scalars_10_floats"] = (floats10, bus1.publish)
     bus_of = {name: (bus8 if "8subs" in name else bus1) for name in contenders}
 
     def between(name: str) -> None:

@@ -154,6 +154,8 @@ def _capture_value(  # noqa: PLR0911 - one return per kind
         if depth >= MAX_DEPTH:  # kept as it is below here (a cycle ends here too)
             cap.deep = True
             return v, False
+        if PLAIN.issuperset(map(type, v.values())):  # nothing to capture (a Scalars): C loops
+            return (dict(v), False) if type(v) is dict else (v, False)
         found = False
         out = {}
         for k, x in v.items():

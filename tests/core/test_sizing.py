@@ -45,3 +45,15 @@ def test_a_cyclic_container_is_sized_without_recursion_error() -> None:
     loop.append(loop)
     names = checked_fields(Notes)
     assert sizeof_event(Notes(extra=loop), names) > 0
+
+
+def test_a_dict_of_numbers_by_name_is_sized_as_the_general_walk_sizes_it() -> None:
+    """The fast path (str keys, numbers: a Scalars' values) gives the walk's own figure; a
+    value that is not a number sends the dict back to the walk."""
+    names = checked_fields(Notes)
+    base = sizeof_event(Notes(), names) - 8  # the None the dict replaces
+    values = {"loss": 1.0, "lr": 3, "ok": True, "none": None}
+    walked = 64 + sum(49 + len(k) + 8 for k in values)  # each key's text, each number
+    assert sizeof_event(Notes(extra=values), names) - base == walked
+    mixed = {**values, "text": "x" * 1000}
+    assert sizeof_event(Notes(extra=mixed), names) - base == walked + 49 + 4 + 49 + 1000
