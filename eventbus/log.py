@@ -41,7 +41,7 @@ class RateLimiter:
         self.interval = interval
         self._last: dict[Any, float] = {}
         self._held: dict[Any, int] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # reentrant: a warning from a signal handler's publish
 
     def allow(self, key: Any) -> tuple[bool, int]:
         """(whether to log now, how many were suppressed since the last one)."""

@@ -44,3 +44,20 @@ def test_rate_limiter_holds_back_and_counts() -> None:
     assert rl.allow("other") == (True, 0)
     rl._last["k"] -= 120  # as if a minute passed
     assert rl.allow("k") == (True, 2)
+
+
+def test_the_rate_limiter_may_be_re_entered_on_the_same_thread() -> None:
+    """A warning from a signal handler's publish may come while the interrupted code was
+    inside `allow`: reentrant, not a deadlock."""
+    import threading
+
+    rl = RateLimiter(interval=60)
+    done = threading.Event()
+
+    def interrupted() -> None:
+        with rl._lock:
+            rl.allow("k")
+        done.set()
+
+    threading.Thread(target=interrupted, daemon=True).start()
+    assert done.wait(10), "the rate limiter deadlocked when re-entered"

@@ -130,7 +130,9 @@ class Inbox:
         self.reporting = False  # set by the loop around its own report: taken up to the bound
         self._waits = waits  # whether a lossless subscriber is attached
         self._drop = drop  # count a dropped event for its subscribers
-        self._lock = threading.Lock()  # the byte counter and drop counters
+        # The byte counter and drop counters; reentrant: a signal handler that publishes runs
+        # on the thread it interrupted, maybe inside `put` holding it (a Lock deadlocked there).
+        self._lock = threading.RLock()
         self._space = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_loop_wake: Callable[[], None] | None = None
@@ -385,7 +387,7 @@ class Inbox:
         self.items = deque()
         self._added_bytes = self._taken_bytes = 0
         self.rejected = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._space = threading.Event()
         self._loop = None
         self._on_loop_wake = None

@@ -60,7 +60,7 @@ class Router:
         # The event in hand while routing waits (and the subscribers it has not reached).
         self._hand: tuple[Event, tuple[Delivery, ...] | None] | None = None
         self._routes: dict[type, tuple[Delivery, ...]] = {}
-        self._drop_lock = threading.Lock()
+        self._drop_lock = threading.RLock()  # reentrant: a publishing signal handler (inbox)
         self._start = start
         self._retire = retire
         self._spawn = spawn

@@ -116,3 +116,24 @@ def test_a_closed_inbox_refuses_and_counts() -> None:
     inbox.close()
     inbox.put(Loss(step=1, value=1.0))
     assert len(inbox) == 0 and inbox.rejected == 1
+
+
+def test_a_publish_re_entered_on_the_same_thread_does_not_deadlock() -> None:
+    """A signal handler runs on the thread it interrupted: one that publishes (a "preempted"
+    event on SIGTERM) may land while `publish` holds the inbox's lock, counting a big event's
+    bytes. The lock is reentrant; a plain Lock deadlocked the training thread there."""
+    bus = EventBus(drain_interval=0.002)
+    rec = Recorder(events=[BigText])
+    bus.subscribe(rec, placement="thread")
+    bus.start()
+    done = threading.Event()
+
+    def interrupted() -> None:
+        with bus._inbox._lock:  # where the signal landed: inside put_boxed's count
+            bus.publish(BigText(step=1, text="x" * 4 * BIG))  # what the handler publishes
+        done.set()
+
+    threading.Thread(target=interrupted, daemon=True).start()
+    assert done.wait(10), "a publish re-entered from the same thread deadlocked"
+    bus.close()
+    assert [ev.step for ev in rec.got] == [1]

@@ -175,3 +175,23 @@ def test_a_run_with_a_flush_or_an_attach_inside_goes_one_at_a_time_in_order() ->
         pass
     assert first.got == evs
     assert later.got == evs[100:]
+
+
+def test_counting_a_drop_re_entered_on_the_same_thread_does_not_deadlock() -> None:
+    """A publishing signal handler may land while the publisher counts a drop (the inbox
+    full, only lossy subscribers): the count's lock is reentrant."""
+    import threading
+
+    bus = EventBus()
+    bus.subscribe(Recorder(), placement="thread")
+    router = bus._loop.router
+    done = threading.Event()
+
+    def interrupted() -> None:
+        with router._drop_lock:
+            router.count_drop(Loss(step=1, value=1.0))
+        done.set()
+
+    threading.Thread(target=interrupted, daemon=True).start()
+    assert done.wait(10), "a drop counted re-entrantly deadlocked"
+    bus.close()
