@@ -78,7 +78,6 @@ class Host:
         self.subs: dict[int, Subscription] = {}
         self.own: dict[str, Any] = {}  # subscribers with a `stats()` of their own, by name
         self._unacked = 0  # bytes of batches taken in and not yet acknowledged
-        self._read_done = threading.Event()  # the reading ended (the parent closed us, or left)
         self._main_imported = False
 
     def serve(self) -> None:
@@ -89,7 +88,6 @@ class Host:
             while self._serve_one():
                 pass
         finally:
-            self._read_done.set()
             self._closed.set()
             if self.bus.running:  # the parent is gone: keep what we received
                 self.bus.close()
@@ -138,7 +136,7 @@ class Host:
         reading does not end (it waits for room that a hung lossless subscriber holds, with no
         hang timeout), close the bus from here, within its deadline: nobody is left to wait
         for, and the process must not outlive its parent (the hung one is abandoned)."""
-        if not self._read_done.wait(ORPHAN_GRACE_S):
+        if not self._closed.wait(ORPHAN_GRACE_S):  # set as soon as the reading ends
             self.bus.close()
 
     def _add(self, add: wire.AddInfo) -> None:

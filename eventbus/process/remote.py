@@ -60,17 +60,20 @@ class Remote:
         self.lost += max(0, lost)
         return max(0, lost)
 
+    def _counts(self) -> _Counts:
+        """What its sidecars reported handled: the dead ones' and the live one's latest."""
+        return self.base.plus(self.last) if self.last is not None else self.base
+
     def unhandled(self) -> int:
         """Its sidecar is done (closed, or given up at close): what it never reported handled
         is lost (counted here, and returned)."""
-        c = self.base.plus(self.last) if self.last is not None else self.base
-        lost = max(0, self.sent - self.lost - c.handled)
+        lost = max(0, self.sent - self.lost - self._counts().handled)
         self.lost += lost
         return lost
 
     def stats(self) -> SubscriberStats:
         """Its counters: the sidecar's report, plus what the parent knows was lost."""
-        c = self.base.plus(self.last) if self.last is not None else self.base
+        c = self._counts()
         dropped = c.dropped + self.lost
         last = self.last
         return SubscriberStats(

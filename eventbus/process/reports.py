@@ -74,7 +74,6 @@ class Reports:
             for r in self.remotes.values():
                 if r.state is State.DISABLED and r.off is None:  # not rebuilt: counted here
                     r.off = "disabled before its sidecar died"
-            self._routes.clear()
             if again:
                 self.chan = self._launch()
             else:
@@ -83,7 +82,7 @@ class Reports:
                     if r.state in (State.PENDING, State.RUNNING):
                         r.state, r.error = State.DISABLED, self.gave_up
                     r.off = r.off or self.gave_up
-                self._routes.clear()
+            self._routes.clear()  # once every state and `off` above is set
 
     def read(self, chan: Channel) -> None:
         """Handle what the sidecar sends until it closes; then its death, if unasked."""

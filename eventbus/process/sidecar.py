@@ -166,7 +166,7 @@ class Sidecar(Closing, Reports):
         detach travels through the inbox); the sidecar drops it once those are sent."""
         with self._cond:
             if r.state in (State.PENDING, State.RUNNING, State.DISABLED):
-                r.state, r.removing = State.REMOVED, True
+                r.state = State.REMOVED
                 r.remove_at = next(copy.copy(self.bus._seq))  # the next event's seq
                 cut = self._cut
                 self._cut = r.remove_at if cut is None else min(cut, r.remove_at)
