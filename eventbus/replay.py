@@ -61,12 +61,11 @@ class Replayer:
         names: set[str] = set()
         self._subs: list[Delivery] = []
         for s in subs:
-            if not (hasattr(s, "on_events") or callable(s)):
-                raise TypeError(
-                    "replay() takes subscribers: objects with on_events(batch) or functions of "
-                    f"one event; got {type(s).__qualname__}: {s!r:.80}"
-                )
-            check_callable(s)  # a class, or a function that takes no event: refused here
+            check_callable(  # what every event would fail on: refused here
+                s,
+                "replay()",
+                "subscribers: objects with on_events(batch) or functions of one event",
+            )
             self._subs.append(
                 Delivery(
                     s,

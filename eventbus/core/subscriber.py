@@ -181,20 +181,21 @@ def _ranks(ranks: Any) -> frozenset[int] | None:
     return frozenset(ranks)
 
 
-def check_callable(sub: Any) -> None:
-    """Refuse, where it is subscribed, what every event would fail on: a class rather than an
+_TAKES = "an object with an on_events(batch) method or a function called with one event"
+
+
+def check_callable(sub: Any, where: str = "subscribe()", takes: str = _TAKES) -> None:
+    """Refuse, where it is subscribed (`where`: `subscribe()`, `replay()`), what every event
+    would fail on: not a subscriber at all (`takes` says what is), a class rather than an
     instance, an `on_events` that takes no batch, a function that takes no single event."""
     batched = hasattr(sub, "on_events")
     if isinstance(sub, type):
         raise TypeError(
-            f"subscribe() got the class {sub.__qualname__}; pass an instance of it "
+            f"{where} got the class {sub.__qualname__}; pass an instance of it "
             f"({sub.__qualname__}(...)) or a function called with one event"
         )
     if not (batched or callable(sub)):
-        raise TypeError(
-            "subscribe() takes an object with an on_events(batch) method or a function "
-            f"called with one event; got {type(sub).__qualname__}: {sub!r:.80}"
-        )
+        raise TypeError(f"{where} takes {takes}; got {type(sub).__qualname__}: {sub!r:.80}")
     fn = sub.on_events if batched else sub
     what = f"{type(sub).__qualname__}.on_events" if batched else describe(sub)
     if not callable(fn):
