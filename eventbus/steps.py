@@ -42,7 +42,7 @@ from eventbus.events import (
 if TYPE_CHECKING:
     from eventbus.core.handle import BusHandle
 
-__all__ = ["PHASES", "PhaseScope", "StepScope", "current_step", "on_step_change"]
+__all__ = ["PHASES", "PhaseScope", "StepScope", "current_step", "known_total", "on_step_change"]
 
 PHASES: dict[str, type[Event]] = {
     "data": BatchLoaded,
@@ -76,6 +76,12 @@ def _step_changed(bus: BusHandle) -> None:
                 listeners.remove(ref)
             else:
                 fn()
+
+
+def known_total(total_steps: Any) -> int | None:
+    """A run's total steps (`RunStarted.total_steps`) when it is one, an int > 0; None when
+    unknown or a placeholder (0, -1): what an ETA or a progress bar may divide by."""
+    return total_steps if type(total_steps) is int and total_steps > 0 else None
 
 
 def current_step(bus: BusHandle) -> int | None:

@@ -19,6 +19,7 @@ from typing import ClassVar
 
 from eventbus.core import BusHandle
 from eventbus.events import Event, RunStarted, Scalars, StepEnded, TimeEstimate
+from eventbus.steps import known_total
 
 __all__ = ["SpeedMonitor"]
 
@@ -113,8 +114,7 @@ class SpeedMonitor:
             if isinstance(ev, StepEnded) and ev.step is not None:
                 self.update(ev)
             elif isinstance(ev, RunStarted):
-                n = ev.total_steps  # 0 or less (unknown, a placeholder) is no total: no ETA
-                self._run_total = n if type(n) is int and n > 0 else None
+                self._run_total = known_total(ev.total_steps)  # 0 or less: no ETA
 
     def on_close(self) -> None:
         """Publish what the last `every` steps left unpublished."""

@@ -27,6 +27,7 @@ from eventbus.events import (
     TimeEstimate,
 )
 from eventbus.sinks._text import describe
+from eventbus.steps import known_total
 
 __all__ = ["ConsoleProgress"]
 
@@ -90,8 +91,7 @@ class ConsoleProgress:
         for ev in batch:
             match ev:
                 case RunStarted():
-                    n = ev.total_steps  # 0 or less (or not an int) is no total
-                    self.total = n if type(n) is int and n > 0 else self.total
+                    self.total = known_total(ev.total_steps) or self.total  # 0 or less: none
                     self._initial = ev.resumed_from_step or 0
                 case Loss():
                     if ev.split == "train":
