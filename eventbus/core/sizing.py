@@ -92,19 +92,20 @@ def _sizeof(v: Any, depth: int) -> int:  # noqa: PLR0911 - one return per kind o
             and _STR.issuperset(map(type, v))
             and NUMBERS.issuperset(map(type, v.values()))
         ):
-            return 64 + 57 * n + sum(map(len, v))  # str keys, numbers (a Scalars): C loops only
+            # A Scalars' values, in C loops: what the walk below counts, 49 + len(key) for
+            # each key and 8 for each number.
+            return 64 + (49 + 8) * n + sum(map(len, v))
         walked = 0
         total = 0
-        for k, x in v.items():  # str keys and numbers inline: no call for a Scalars' values
-            total += (49 + len(k)) if type(k) is str else _sizeof(k, depth + 1)
-            total += 8 if type(x) in NUMBERS else _sizeof(x, depth + 1)
+        for k, x in v.items():
+            total += _sizeof(k, depth + 1) + _sizeof(x, depth + 1)
             walked += 1
             if walked >= _WALK:
                 break
         return 64 + (total * n // walked if walked else 0)
     n = len(v)  # list, tuple, set or frozenset
     items = list(v)[:_WALK] if t in (set, frozenset) else v[:_WALK]
-    total = sum(8 if type(x) in NUMBERS else _sizeof(x, depth + 1) for x in items)
+    total = sum(_sizeof(x, depth + 1) for x in items)
     return 56 + (total * n // len(items) if items else 0)
 
 

@@ -186,31 +186,32 @@ def test_a_timeout_kills_what_the_job_started_too(tmp_path: Path) -> None:
         ),
         timeout=3.0,  # both interpreters start well before
     )
-    bus = _bus()
-    bus.subscribe(jobs)
-    with bus:
-        bus.publish(CheckpointSaved(step=1, path="ckpt-1"))
+    _run_one_that_times_out(jobs, "ckpt-1")
     assert "timed out after 3 s and was killed" in jobs.failures[0]
-    pid = int(pid_file.read_text())
-    try:
-        _until(lambda: _gone(pid), "the job's own child to be killed", timeout=10)
-    finally:
-        if not _gone(pid):
-            os.kill(pid, 9)
+    _assert_killed(pid_file, "the job's own child")
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_a_timeout_kills_what_a_function_job_started_too(tmp_path: Path) -> None:
     pid_file = tmp_path / "pid"
     jobs = CheckpointJobs(fn=start_a_worker_and_wait, timeout=4.0)  # both start well before
+    _run_one_that_times_out(jobs, str(pid_file))
+    assert "timed out after 4 s and was killed" in jobs.failures[0]
+    _assert_killed(pid_file, "the function's own child")
+
+
+def _run_one_that_times_out(jobs: CheckpointJobs, path: str) -> None:
     bus = _bus()
     bus.subscribe(jobs)
     with bus:
-        bus.publish(CheckpointSaved(step=1, path=str(pid_file)))
-    assert "timed out after 4 s and was killed" in jobs.failures[0]
+        bus.publish(CheckpointSaved(step=1, path=path))
+
+
+def _assert_killed(pid_file: Path, what: str) -> None:
+    """The process whose pid the job's own child wrote is gone (killed with the job)."""
     pid = int(pid_file.read_text())
     try:
-        _until(lambda: _gone(pid), "the function's own child to be killed", timeout=10)
+        _until(lambda: _gone(pid), f"{what} to be killed", timeout=10)
     finally:
         if not _gone(pid):
             os.kill(pid, 9)
