@@ -6,7 +6,6 @@ it raises, `BaseException` included, is counted and logged; it never ends the lo
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import time
 from collections import deque
@@ -17,7 +16,14 @@ from eventbus.core.cost import cpu_timed
 from eventbus.core.markers import Markers
 from eventbus.core.queue import SubscriberQueue, check_key
 from eventbus.core.strict import FirstFailure
-from eventbus.core.subscriber import State, SubscriberGone, failed_part, is_async, takes_argument
+from eventbus.core.subscriber import (
+    State,
+    SubscriberGone,
+    failed_part,
+    is_async,
+    loop_cancelled,
+    takes_argument,
+)
 from eventbus.core.worker import ThreadWorker
 from eventbus.events import Event
 from eventbus.log import RateLimiter, get_logger
@@ -26,14 +32,6 @@ from eventbus.stats import SubscriberStats
 __all__ = ["Delivery"]
 
 _log_limit = RateLimiter(10.0)
-
-
-def _own_cancellation(e: BaseException) -> bool:
-    """Whether a CancelledError is the loop cancelling us (close deadline), not the subscriber's."""
-    if not isinstance(e, asyncio.CancelledError):
-        return False
-    task = asyncio.current_task()
-    return task is None or task.cancelling() > 0
 
 
 class Delivery:
@@ -54,6 +52,7 @@ class Delivery:
     ) -> None:
         self.sub = sub
         self.last = False  # closed after the others (the sidecar: it gets what they publish)
+        self.on_abandon: Callable[[list[Event]], None] | None = None  # given what it dropped
         self.first = bool(getattr(sub, "close_first", False))  # closed before: it publishes then
         self.name = name
         self.events = events
@@ -130,7 +129,7 @@ class Delivery:
                 try:
                     await self.deliver(batch)
                 except BaseException as e:  # never the loop's death: the batch is counted
-                    if _own_cancellation(e):
+                    if loop_cancelled(e):
                         raise
                     self._failed(e, batch[0], max(0, len(batch) - self._batch_done))
             self._check_markers()
@@ -152,19 +151,21 @@ class Delivery:
 
     def abandon(self) -> int:
         """The bus gives up on it: drop what is queued (counted lost); returns how many."""
-        n = 0
         if self.busy_since is not None and not self._abandoned:
             # whatever it returns now is not counted; what it finished already was
             self.lost_in_flight = max(0, self.in_flight - self._batch_done)
         self._abandoned = True
+        # routed, then dropped: counted in the queue's `dropped`
+        gone = self.queue.discard() if self.queue is not None else []
         if self.queue is not None:
-            n = self.queue.discard()  # routed, then dropped: counted in the queue's `dropped`
             self.queue.close()
+        if self.on_abandon is not None:  # the sidecar: it counts them for its subscribers
+            self.on_abandon(gone)
         if self.busy_since is not None:
             self.state = State.HUNG
         self.worker.stop()
         self._markers.release()  # a flush waiting on it must not wait forever
-        return n
+        return len(gone)
 
     def release(self) -> None:
         """Removed and closed: the bus keeps its counters, not the subscriber object."""
@@ -195,7 +196,7 @@ class Delivery:
             call = self._call_async if self.is_async else self._call_sync
             await call(self.sub.on_events, batch)
         except BaseException as e:
-            if _own_cancellation(e):
+            if loop_cancelled(e):
                 raise
             k = failed_part(e, n)  # the rest of the batch was handled (side by side jobs)
             self._ok(n - k)
@@ -213,7 +214,7 @@ class Delivery:
                 try:
                     await self._call_async(self.sub, ev)
                 except BaseException as e:
-                    if _own_cancellation(e):
+                    if loop_cancelled(e):
                         raise
                     results.append((ev, e))
                 else:
@@ -226,7 +227,7 @@ class Delivery:
                 try:
                     await self._call_async(_awaited, result)
                 except BaseException as e:
-                    if _own_cancellation(e):
+                    if loop_cancelled(e):
                         for _, rest in results[i + 1 :]:  # abandoned: close, never half-run
                             if inspect.iscoroutine(rest):
                                 rest.close()
@@ -270,7 +271,7 @@ class Delivery:
         try:
             await self._call(fn, *args)
         except BaseException as e:
-            if _own_cancellation(e):
+            if loop_cancelled(e):
                 raise
             self.last_error = f"{type(e).__name__}: {e}"
             if self.failures is not None:

@@ -209,16 +209,17 @@ class SubscriberQueue:
         self._writable.set()
         return out
 
-    def discard(self) -> int:
-        """Drop everything queued, counted as dropped; returns how many."""
-        n = len(self)
+    def discard(self) -> list[Event]:
+        """Drop everything queued, counted as dropped; returns what it dropped."""
+        gone = [*self._fifo, *self._latest.values()]
+        n = len(gone)
         self._fifo.clear()
         self._latest.clear()
         self._sizes.clear()
         self._bytes = 0
         self.dropped += n
         self._writable.set()
-        return n
+        return gone
 
     def close(self) -> None:
         """Refuse what comes from now on (counted as dropped); queued events stay. Idempotent."""

@@ -55,10 +55,11 @@ class Shutdown:
                 d = ([x for x in todo if x.first] or [x for x in todo if not x.last] or todo)[-1]
                 closed.add(d)
                 share = (self.deadline - time.monotonic()) / (len(todo) + len(self._retiring))
+                end = time.monotonic() + max(0.0, share)
                 publisher.set(d.name)
                 if d.last:  # the sidecar: its subscribers one by one first, in its share
-                    await self._close_parts(d, time.monotonic() + max(0.0, share))
-                await self._close_one(d, time.monotonic() + max(0.0, share))
+                    await self._close_parts(d, end)
+                await self._close_one(d, end)
             while self._retiring and time.monotonic() < self.deadline:
                 await anyio.sleep(TICK)
         for d in tuple(self._retiring):

@@ -5,6 +5,7 @@ One rule for each, shared by the bus, `replay` and a process-placed subscriber's
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import inspect
 import math
@@ -23,6 +24,7 @@ __all__ = [
     "event_types",
     "failed_part",
     "is_async",
+    "loop_cancelled",
     "name_for",
     "positive",
     "subscribe_options",
@@ -68,6 +70,14 @@ def event_types(spec: Any) -> tuple[type[Event], ...]:
         if not (isinstance(t, type) and issubclass(t, Event)):
             raise TypeError(f"events= takes Event subclasses (e.g. events=[Loss]); got {t!r}")
     return items
+
+
+def loop_cancelled(e: BaseException) -> bool:
+    """Whether a CancelledError is the loop cancelling us (close deadline), not the subscriber's."""
+    if not isinstance(e, asyncio.CancelledError):
+        return False
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0
 
 
 def failed_part(exc: BaseException, n: int) -> int:

@@ -94,7 +94,7 @@ class Closing:
         parent = self.bus._loop.stats(self.bus._deliveries)  # final: in-process ones closed
         with contextlib.suppress(RemoteError):  # dead (counted) or too slow (the close)
             if self.request(wire.END, (rid, timeout, parent), within=timeout) is None:
-                r.state = was  # never built there (disabled): nothing to end
+                r.state, r.cut = was, None  # never built there (disabled): nothing to end
 
     def on_close(self) -> None:
         """Close the sidecar's bus (its subscribers drain and close), then let it exit."""

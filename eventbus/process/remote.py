@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from eventbus.core.subscriber import State, SubscribeOptions
+from eventbus.events import Event
 from eventbus.process import wire
 from eventbus.process.proxy import ProcessSubscriber
 from eventbus.stats import SubscriberStats
@@ -35,6 +36,7 @@ class Remote:
         self.last: SubscriberStats | None = None  # the live sidecar's latest report
         self.off: str | None = None  # why the parent stopped sending to it (counted lost)
         self.remove_at: int | None = None  # removed: events from this seq on are not its
+        self.cut: int | None = None  # that seq, kept once the sidecar was told of the removal
         self.own: Any = None  # the subscriber's own `stats()`, as last reported
 
     def add_info(self, *, restarted: bool) -> bytes:
@@ -50,6 +52,14 @@ class Remote:
             "restarted": restarted,
         }
         return wire.ADD + wire.dumps(info)
+
+    def wants(self, ev: Event) -> bool:
+        """Whether `ev` was routed for it (a removed one: published before the removal)."""
+        if not isinstance(ev, self.events):
+            return False
+        if self.cut is None:
+            return self.state in (State.PENDING, State.RUNNING, State.DISABLED)
+        return (ev.seq or 0) < self.cut
 
     def died(self) -> int:
         """Its sidecar died: keep what it reported handled; the rest it was sent is lost."""

@@ -46,6 +46,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Remote", "Sidecar", "place", "spec_of"]
 
+# A packed batch, its event count, (remotes, count) per type, and what would not pickle.
+_Batch = tuple[bytes, int, list[tuple[tuple[Remote, ...], int]], list[Event]]
+
 
 def spec_of(sub: Any) -> ProcessSubscriber:
     """What the sidecar builds for `sub`; raises here if it cannot go there (unpicklable)."""
@@ -95,6 +98,8 @@ class Sidecar(Closing, Reports):
         self.final = False  # its answer to the close came: every report is in
         self._routes: dict[type, tuple[Remote, ...]] = {}
         self._cut: int | None = None  # the first seq a removed subscriber no longer gets
+        self._held: _Batch | None = None  # a batch waiting for room in the window
+        self._stale: int | None = None  # events below this seq may be a removed one's
         self._cond = threading.Condition()
         self._ids = 0
         self.delivery = Delivery(
@@ -107,6 +112,7 @@ class Sidecar(Closing, Reports):
             max_consecutive_failures=None,
         )
         self.delivery.last = True  # closed after every in-process subscriber: it gets theirs
+        self.delivery.on_abandon = self._never_sent
         self.chan = self._launch()  # now: overlapped with the user's set-up
         bus._attach(self.delivery)
         call_after_fork(self.forget_after_fork)
@@ -167,7 +173,7 @@ class Sidecar(Closing, Reports):
         with self._cond:
             if r.state in (State.PENDING, State.RUNNING, State.DISABLED):
                 r.state = State.REMOVED
-                r.remove_at = next(copy.copy(self.bus._seq))  # the next event's seq
+                r.remove_at = r.cut = next(copy.copy(self.bus._seq))  # the next event's seq
                 cut = self._cut
                 self._cut = r.remove_at if cut is None else min(cut, r.remove_at)
 
@@ -176,6 +182,8 @@ class Sidecar(Closing, Reports):
         with self._cond:
             for r in self.remotes.values():
                 if r.remove_at is not None and (upto is None or r.remove_at <= upto):
+                    if upto is None:  # told early (a flush, the close): some may still come
+                        self._stale = max(self._stale or 0, r.remove_at)
                     r.remove_at = None
                     self.chan.post(wire.REMOVE + wire.dumps(r.id))
             pending = [r.remove_at for r in self.remotes.values() if r.remove_at is not None]
@@ -203,6 +211,8 @@ class Sidecar(Closing, Reports):
 
         On the bus loop (no hand-over to a worker thread): it never blocks; it waits for room
         in the window by sleeping, as backpressure."""
+        if self._stale is not None and (batch[0].seq or 0) < self._stale:
+            self._unreachable(batch)
         cut = self._cut
         if cut is not None:  # a removal waits for what was published before it
             i = next((k for k, ev in enumerate(batch) if (ev.seq or 0) >= cut), None)
@@ -219,8 +229,11 @@ class Sidecar(Closing, Reports):
         out = batch if all(live.values()) else [ev for ev in batch if live[type(ev)]]
         data, bad = self._pack(out) if out and not self.closing else (b"", [])
         wanted = [(routes[cls], n) for cls, n in counts.items()]
-        while not self._post(data, len(out) - len(bad), wanted, bad):
+        args = (data, len(out) - len(bad), wanted, bad)
+        while not self._post(args):
             await anyio.sleep(POLL_S / 10)  # backpressure: the sidecar acknowledges as it reads
+            if self._held is not args:  # the close gave up on us meanwhile: counted there
+                return
 
     def _pack(self, out: list[Event]) -> tuple[bytes, list[Event]]:
         """The batch packed once; an event that cannot cross (a field pickle refuses) is left
@@ -236,26 +249,23 @@ class Sidecar(Closing, Reports):
             )
         return (wire.BATCH + data if data else b""), [ev for ev, _ in refused]
 
-    def _post(
-        self,
-        data: bytes,
-        n: int,
-        wanted: list[tuple[tuple[Remote, ...], int]],
-        bad: list[Event],
-    ) -> bool:
+    def _post(self, args: _Batch) -> bool:
         """Post a packed batch if the window has room, counting it for its subscribers; what
         cannot reach one (the sidecar closing or gone, the subscriber off, a field that would
         not pickle) is counted lost for it. False: no room yet."""
+        data, n, wanted, bad = args
         with self._cond:
             chan = self.chan  # a new one after a restart: the batch goes there
             gone = self.gave_up is not None or self.closing
             if data and not gone:
                 if chan.in_flight and chan.in_flight + len(data) > self.max_bytes_in_flight:
+                    self._held = args  # until there is room, or the close gives up on it
                     return False
                 chan.in_flight += len(data)
                 chan.post(data)
                 self.sent_events += n
                 self.sent_bytes += len(data)
+            self._held = None
             for remotes, k in wanted:  # under the lock: a death counts exactly what it lost
                 for r in remotes:
                     r.sent += k
@@ -266,6 +276,29 @@ class Sidecar(Closing, Reports):
                     if not r.off:
                         r.lost += 1
             return True
+
+    def _never_sent(self, queued: list[Event]) -> None:
+        """The close gave up on our delivery: what it still held (queued, and a batch waiting
+        for room) is lost for the sidecar subscribers that wanted it, and counted so."""
+        with self._cond:
+            self.closing = True
+            held, self._held = self._held, None
+            if held is not None:
+                self._post((b"", 0, held[2], held[3]))  # closing: counted lost, never sent
+            for r in self.remotes.values():
+                k = sum(map(r.wants, queued))
+                r.sent, r.lost = r.sent + k, r.lost + k
+
+    def _unreachable(self, batch: list[Event]) -> None:
+        """Events published before a removal the sidecar was told of early (the close ended
+        the subscriber before its queue here drained): they cannot reach it; counted lost."""
+        with self._cond:
+            for r in self.remotes.values():
+                if r.cut is not None and r.remove_at is None:
+                    k = sum(map(r.wants, batch))
+                    r.sent, r.lost = r.sent + k, r.lost + k
+            if (batch[-1].seq or 0) >= (self._stale or 0) - 1:
+                self._stale = None
 
     def forget_after_fork(self) -> None:
         """In a forked child: close our copy of the socket, never touching the parent's."""

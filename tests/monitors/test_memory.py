@@ -207,25 +207,28 @@ def test_a_steady_loop_is_not_flagged() -> None:
 
 
 def test_rss_agrees_with_psutil_and_procfs() -> None:
-    samples: list[tuple[int, float, float | None]] = []
-
+    """Each sample lies between psutil's readings just before the publish and just after the
+    flush (the bus's threads may allocate in between), and agrees with /proc."""
+    samples: list[tuple[int, float, float, float | None]] = []
     rec = Recorder()
     bus = EventBus(drain_interval=0.002)
     bus.subscribe(rec)
     bus.subscribe(MemoryProfiler())
+    rss = lambda: psutil.Process().memory_info().rss / MB  # noqa: E731
     with bus:
         for step in range(1, 6):
+            before = rss()
             bus.publish(StepEnded(step=step))
             assert bus.flush(5)
             procfs = rss_bytes_procfs() / MB if rss_procfs_available() else None
-            samples.append((step, psutil.Process().memory_info().rss / MB, procfs))
+            samples.append((step, before, rss(), procfs))
     got = {e.step: e for e in of(rec, MemorySample, phase="step")}
     assert sorted(got) == [1, 2, 3, 4, 5]
-    for step, ps, procfs in samples:
+    for step, before, after, procfs in samples:
         ev = got[step]
-        assert ev.rss_mb == pytest.approx(ps, abs=8.0)
+        assert min(before, after) - 2.0 <= ev.rss_mb <= max(before, after) + 2.0
         if procfs is not None:
-            assert ev.rss_mb == pytest.approx(procfs, abs=8.0)
+            assert min(before, procfs) - 2.0 <= ev.rss_mb <= max(after, procfs) + 2.0
         assert ev.rss_peak_mb >= ev.rss_mb
         if not torch.cuda.is_available():
             assert ev.allocated_mb is None

@@ -22,6 +22,7 @@ from eventbus.process import ProcessSubscriber
 from eventbus.sinks import JsonlWriter, TensorBoardSink
 from eventbus.stats import losses
 from tests.conftest import Recorder
+from tests.core.helpers import until
 from tests.process.subs import (
     BigBlob,
     Burner,
@@ -517,6 +518,37 @@ def test_a_sidecar_that_stops_answering_is_abandoned_at_close_named_and_counted(
     assert h.published == 12
     assert (h.delivered, h.failed, h.queued) == (0, 0, 0)
     assert h.dropped == 12  # never handled: counted
+
+
+def test_what_our_side_still_holds_for_a_hung_sidecar_at_close_is_its_loss(
+    tmp_path: Path,
+) -> None:
+    """Events still queued here for the sidecar (its window full behind a hung subscriber)
+    when the close gives up: they were counted for no one (12 of 24 "published"), and the
+    close overran its deadline into the "bus loop is blocked" path."""
+    mib = 1 << 20
+    bus = EventBus(
+        drain_interval=0.002, close_timeout=600, hang_timeout=None, queue_max_bytes=4 * mib
+    )
+    hung = bus.subscribe(Gate(str(tmp_path / "never")), placement="process", maxsize=1)
+    side = bus._sidecar
+    assert side is not None
+    try:
+        bus.start()
+        for i in range(24):
+            bus.publish(BigBlob(step=i, data="x" * mib))
+        q = side.delivery
+        assert until(lambda: q.queue is not None and len(q.queue) > 0)  # the window is full
+        start = time.monotonic()
+        st = bus.close(timeout=3)
+        took = time.monotonic() - start
+    finally:
+        bus.close(timeout=5)
+        (tmp_path / "never").write_text("")  # it goes on, drains and exits
+    h = st[hung.name]  # type: ignore[index]
+    assert (h.published, h.dropped, h.delivered, h.queued) == (24, 24, 0, 0)
+    assert (losses(st) or {}).get("dropped") == 24
+    assert took < 3.2  # its deadline (0.25 s later the loop would be abandoned as blocked)
 
 
 class _Phantom:
