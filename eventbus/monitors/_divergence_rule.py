@@ -247,7 +247,7 @@ class DivergenceRule:
         if min(values) > 0 and min(noisy) > 0 and level > 0:
             logs = [math.log(v) for v in noisy]
             noise, floor = (
-                _noise(logs),
+                _noise(logs, self.noise_window),
                 max(math.log1p(self.min_rise), _high(logs) - math.log(level)),
             )
             return _Baseline(
@@ -259,7 +259,7 @@ class DivergenceRule:
         # A value <= 0 rules out ratios: measure raw differences instead, floored relative
         # to the level or, when that is 0, to the largest value the run has logged.
         floor = self.min_rise * (abs(level) or self._scale)
-        noise, floor = _noise(noisy), max(floor, _high(noisy) - level)
+        noise, floor = _noise(noisy, self.noise_window), max(floor, _high(noisy) - level)
         return _Baseline(
             False, level, max(self.sigmas * noise, floor), max(self.long_sigmas * noise, floor)
         )
@@ -314,15 +314,18 @@ def _holds(excesses: list[float], hold: float) -> bool:
     return min(excesses) >= hold * max(excesses)
 
 
-def _noise(values: list[float]) -> float:
+def _noise(values: list[float], full: int) -> float:
     """Robust standard deviation of one value's noise, from successive differences.
 
     Differences cancel a trend (the fast early fall of a loss), and the median absolute
-    deviation ignores the few large jumps a spike makes.
+    deviation ignores the few large jumps a spike makes. Measured on fewer than `full`
+    values (early in a run) the estimate is itself noisy and often far too low: it is
+    widened by sqrt(full / count), so 3 sigma from 12 values counts as about 6 sigma.
     """
     diffs = [b - a for a, b in pairwise(values)]
     mid = median(diffs)
-    return _MAD_TO_SIGMA * median(abs(d - mid) for d in diffs)
+    widen = max(1.0, math.sqrt(full / len(values)))
+    return widen * _MAD_TO_SIGMA * median(abs(d - mid) for d in diffs)
 
 
 def _high(values: list[float]) -> float:
