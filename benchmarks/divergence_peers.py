@@ -42,7 +42,7 @@ DEPARTURES = {
     "sustained 1.5x": "departure_s15",
     "sustained 2x": "departure_s2",
 }
-SETS = ("tune", "holdout", "fresh")
+SETS = ("tune", "holdout", "fresh", "blind")  # table order; other set names follow, sorted
 LATE = 2  # the budget of issue #18: detected at most this many steps after departure
 
 
@@ -238,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.before:
         rules = {f"DivergenceRule @{args.before} (before)": rule_at(args.before), **rules}
     runs = load_runs(args.dir)
-    sets = [name for name in SETS if any(r["set"] == name for r in runs)]
+    present = {r["set"] for r in runs}
+    sets = [name for name in SETS if name in present] + sorted(present - set(SETS))
     print(
         "| rule | set | healthy FP | diverging: early / missed | delay median (max) vs: onset | "
         + " | ".join(f"{d} departure" for d in DEPARTURES)

@@ -53,9 +53,10 @@ class DivergenceRule:
     values before the excursion, the rule fires on: a non-finite value at once; `persist`
     values above `sigmas` x noise among the last `persist` to `persist + slack` (no value in
     between back near the baseline; still rising, or the smallest excess at least `hold` x
-    the largest); `persist + 1` consecutive values above `long_sigmas` x noise (same `hold`,
-    waived when all are above `sigmas` x noise); or two consecutive values `fast_ratio` x
-    the baseline. Work is in log space, so no default depends on the metric's scale.
+    the largest, or a 2-step peak past `spike_ratio` x the baseline); `persist + 1`
+    consecutive values above `long_sigmas` x noise (same `hold`, waived when all are above
+    `sigmas` x noise); or two consecutive values `fast_ratio` x the baseline. Work is in log
+    space, so no default depends on the metric's scale.
     docs/divergence.md explains the defaults.
     """
 
@@ -74,6 +75,7 @@ class DivergenceRule:
         dip: float = 0.5,
         hold: float = 0.5,
         fast_ratio: float = 12.0,
+        spike_ratio: float = 10.0,
         once: bool = True,
     ) -> None:
         if warmup < 0:
@@ -92,8 +94,10 @@ class DivergenceRule:
             raise ValueError(f"dip must be in [0, 1], got {dip}")
         if not 0.0 <= hold <= 1.0:
             raise ValueError(f"hold must be in [0, 1], got {hold}")
-        if fast_ratio <= 1.0:
-            raise ValueError(f"fast_ratio must be > 1, got {fast_ratio}")
+        if fast_ratio <= 1.0 or spike_ratio <= 1.0:
+            raise ValueError(
+                f"fast_ratio and spike_ratio must be > 1, got {fast_ratio}, {spike_ratio}"
+            )
         self.warmup = warmup
         self.window = window
         self.memory = memory
@@ -106,6 +110,7 @@ class DivergenceRule:
         self.dip = dip
         self.hold = hold
         self.fast_ratio = fast_ratio
+        self.spike_ratio = spike_ratio
         self.once = once
         self._values: deque[float] = deque(maxlen=window)
         # Values that were not elevated when they came: the noise and the recent high are
@@ -199,18 +204,20 @@ class DivergenceRule:
             return None
         if baseline.log and len(run) >= 2 and min(run[-2:]) >= math.log(self.fast_ratio):
             return "for 2 steps"
-        if self._sustained(threshold):
+        if self._sustained(threshold, baseline.log):
             return f"elevated in {sum(e > threshold for e in run)} of {len(run)} steps"
         return None
 
-    def _sustained(self, threshold: float) -> bool:
+    def _sustained(self, threshold: float, log: bool) -> bool:
         """Whether the excursion's latest values make a new level rather than a spike.
 
         `persist` elevated values among the last `persist` to `persist + slack`, every value
         in that span above `dip` x the threshold (a dip that stays raised is noise on a new
         level; a return to the baseline is a spike ending), and either the span ends on its
-        highest value (still rising: a ramp) or the smallest elevated excess is at least
-        `hold` x the largest (falling from a peak much higher than the rest is a spike's tail).
+        highest value (still rising: a ramp), or the smallest elevated excess is at least
+        `hold` x the largest (falling from a peak much higher than the rest is a spike's
+        tail), or the span holds two consecutive values `spike_ratio` x the baseline (a peak
+        taller than the corrupted-batch spikes the rule must ignore is no spike's).
         """
         run = self._excursion
         for width in range(self.persist, min(len(run), self.persist + self.slack) + 1):
@@ -219,7 +226,11 @@ class DivergenceRule:
             if (
                 len(high) >= self.persist
                 and min(span) > self.dip * threshold
-                and (span[-1] >= max(span) or _holds(high, self.hold))
+                and (
+                    span[-1] >= max(span)
+                    or _holds(high, self.hold)
+                    or (log and _peak(span) >= math.log(self.spike_ratio))
+                )
             ):
                 return True
         return False
@@ -247,7 +258,7 @@ class DivergenceRule:
         if min(values) > 0 and min(noisy) > 0 and level > 0:
             logs = [math.log(v) for v in noisy]
             noise, floor = (
-                _noise(logs),
+                _noise(logs, self.noise_window),
                 max(math.log1p(self.min_rise), _high(logs) - math.log(level)),
             )
             return _Baseline(
@@ -259,7 +270,7 @@ class DivergenceRule:
         # A value <= 0 rules out ratios: measure raw differences instead, floored relative
         # to the level or, when that is 0, to the largest value the run has logged.
         floor = self.min_rise * (abs(level) or self._scale)
-        noise, floor = _noise(noisy), max(floor, _high(noisy) - level)
+        noise, floor = _noise(noisy, self.noise_window), max(floor, _high(noisy) - level)
         return _Baseline(
             False, level, max(self.sigmas * noise, floor), max(self.long_sigmas * noise, floor)
         )
@@ -309,20 +320,28 @@ class DivergenceRule:
         self._armed = bool(state["armed"])
 
 
+def _peak(excesses: list[float]) -> float:
+    """The larger of the smaller of each two consecutive excesses: a 2-step peak's height."""
+    return max((min(a, b) for a, b in pairwise(excesses)), default=-math.inf)
+
+
 def _holds(excesses: list[float], hold: float) -> bool:
     """Whether the smallest excess is at least `hold` x the largest: a level, not a spike."""
     return min(excesses) >= hold * max(excesses)
 
 
-def _noise(values: list[float]) -> float:
+def _noise(values: list[float], full: int) -> float:
     """Robust standard deviation of one value's noise, from successive differences.
 
     Differences cancel a trend (the fast early fall of a loss), and the median absolute
-    deviation ignores the few large jumps a spike makes.
+    deviation ignores the few large jumps a spike makes. Measured on fewer than `full`
+    values (early in a run) the estimate is itself noisy and often far too low: it is
+    widened by sqrt(full / count), so 3 sigma from 12 values counts as about 6 sigma.
     """
     diffs = [b - a for a, b in pairwise(values)]
     mid = median(diffs)
-    return _MAD_TO_SIGMA * median(abs(d - mid) for d in diffs)
+    widen = max(1.0, math.sqrt(full / len(values)))
+    return widen * _MAD_TO_SIGMA * median(abs(d - mid) for d in diffs)
 
 
 def _high(values: list[float]) -> float:

@@ -22,8 +22,15 @@ DIVERGING = [r for r in RUNS if r["diverges"]]
 # A 2-step corrupted-target spike under SGD+momentum: momentum carries the bad update on
 # and the loss stays 4x up a third step (5.0x, 3.0x, 4.1x, then 0.95x). An LR jump in the
 # tune set starts the same way (7.0x, 3.0x, 3.9x, and stays), so the rule cannot tell them
-# apart on the third step. Held out (never tuned on); known false positive.
-KNOWN_HOLDOUT_FP = {"holdout_reg_sgd_spikes_611"}
+# apart on the third step. Held out (never tuned on); known false positive. The blind sets
+# (made after issue #18's candidate was fixed, never tuned on) have two more, both there
+# before issue #18: a 2.9x step, one quiet step, 2.4x, then a 2-step 4.75x corrupted
+# batch (4 elevated of 5 values); and batch-size-1 noise of 108x, 79x, 182x (the fast path).
+KNOWN_FP = {
+    "holdout_reg_sgd_spikes_611": "momentum aftermath",
+    "blind_reg_sgd_spikes_1161": "noisy steps before a spike",
+    "blind2_reg_bs1_spikes_2411": "batch-size-1 noise",
+}
 
 
 def first_detection(values: list[float], rule: DivergenceRule | None = None) -> Detection | None:
@@ -48,8 +55,8 @@ def test_fixtures_present() -> None:
 @pytest.mark.parametrize(
     "run",
     [
-        pytest.param(r, marks=pytest.mark.xfail(strict=True, reason="momentum aftermath"))
-        if r["name"] in KNOWN_HOLDOUT_FP
+        pytest.param(r, marks=pytest.mark.xfail(strict=True, reason=KNOWN_FP[r["name"]]))
+        if r["name"] in KNOWN_FP
         else r
         for r in HEALTHY
     ],
@@ -60,8 +67,9 @@ def test_healthy_run_never_fires(run: dict[str, Any]) -> None:
 
 
 # Made after the rule was tuned (new kinds of model), only scored: batch size 1 makes the
-# loss swing 1000x step to step, so a 30x LR jump that leaves it at ~20x is not seen.
-KNOWN_FRESH_MISS = {"fresh_reg_bs1_lr_jump_977"}
+# loss swing 1000x step to step, so a 30x LR jump that leaves it at ~20x is not seen; the
+# blind set's batch-size-1 slow creep (x1.04 per step) ends at its sustained departure.
+KNOWN_FRESH_MISS = {"fresh_reg_bs1_lr_jump_977", "blind_reg_bs1_slow_1424"}
 
 
 @pytest.mark.parametrize(
@@ -113,7 +121,11 @@ def test_tune_set_within_budget_of_sustained_departure(field: str) -> None:
 
 @pytest.mark.parametrize("field", DEPARTURE_FIELDS)
 def test_jumps_and_nan_within_budget_of_any_departure(field: str) -> None:
-    runs = [r for r in DIVERGING if r["kind"] in ("lr_jump", "nan_weight") and r["set"] != "fresh"]
+    runs = [
+        r
+        for r in DIVERGING
+        if r["kind"] in ("lr_jump", "nan_weight") and r["set"] in ("tune", "holdout")
+    ]
     # Held out, reported, not tuned on: blobs (CE ~0.12, +-70% batch noise, so 3 sigma is
     # 3.4x) after a mild LR jump sits at 2-3x, then dips: fired 6 steps after departure.
     runs = [r for r in runs if r["name"] != "holdout_blobs_cls_lr_jump_727"]
@@ -143,7 +155,15 @@ def test_holdout_within_budget_of_sustained_departure() -> None:
 # positive on a recorded healthy run or on a common spike shape. A run that gets faster
 # fails this test too: update the table and the docs with it.
 LATE_BEYOND_2 = {
-    "fresh_cnn_img_lr_jump_877": 3,
+    "blind2_blobs_cls_lr_ramp_2227": 3,
+    "blind2_blobs_cls_slow_2224": 3,
+    "blind2_cnn_img_lr_ramp_2327": 3,
+    "blind2_reg_bs1_lr_jump_2427": 28,
+    "blind_blobs_cls_lr_jump_1227": 6,
+    "blind_char_mlp_lr_ramp_1027": 3,
+    "blind_reg_bs1_lr_jump_1427": 9,
+    "blind_reg_mlp_lr_jump_1077": 3,
+    "blind_reg_mlp_lr_ramp_1077": 3,
     "fresh_reg_bs1_lr_ramp_977": 4,
     "holdout_blobs_cls_lr_jump_727": 6,
     "holdout_blobs_cls_lr_jump_737": 3,
@@ -244,6 +264,13 @@ def test_negative_metric_uses_differences() -> None:
     assert "above" in detection.reason
 
 
+def test_noise_measured_on_few_values_is_widened() -> None:
+    # Plain +-40% lognormal noise, first 60 steps: the noise measured on 10-30 values is
+    # often far too low, and 3 sigma of it was crossed in 20 of 200 seeds (4 now).
+    fired = sum(first_detection(noisy(60, 2.0, 0.4, seed=seed)) is not None for seed in range(200))
+    assert fired <= 6
+
+
 def test_two_step_6x_spike_is_ignored() -> None:
     base = noisy(300, 2.0, 0.05)
     base[150:152] = [12.0, 12.0]
@@ -300,13 +327,33 @@ def test_geometric_ramp_fires_on_its_third_elevated_step() -> None:
 
 
 def test_jump_that_overshoots_then_settles_fires_on_its_fourth_step() -> None:
-    # 11x, 11.5x, then a new level at 2.2x (a recorded CNN LR jump does this): four
-    # elevated steps are longer than any spike, whatever their shape. Was the fifth.
+    # 8x, 8.5x, then a new level at 2.2x: four elevated steps are longer than any spike,
+    # whatever their shape. Was the fifth.
     base = noisy(200, 2.0, 0.05, seed=7)
-    detection = first_detection([*base, 22.0, 23.0, 4.4, 4.6, 4.4, 4.5])
+    detection = first_detection([*base, 16.0, 17.0, 4.4, 4.6, 4.4, 4.5])
     assert detection is not None
     assert detection.step == 204
     assert "raised for 4 steps" in detection.reason
+
+
+def test_jump_past_the_spike_range_that_settles_fires_on_its_third_step() -> None:
+    # 11x, 11.5x, then 2.2x (the recorded fresh CNN LR jump 877 does this: 11.8x, 12.7x,
+    # 2.1x): a 2-step peak past `spike_ratio` (10x) is taller than any corrupted batch, so
+    # its fall is no spike's tail. Fired on the 4th step before.
+    base = noisy(200, 2.0, 0.05, seed=7)
+    detection = first_detection([*base, 22.0, 23.0, 4.4, 4.6, 4.4, 4.5])
+    assert detection is not None
+    assert detection.step == 203
+    assert "elevated in 3 of 3 steps" in detection.reason
+    assert first_detection([*base, 22.0, 23.0, 4.4], DivergenceRule(spike_ratio=12.0)) is None
+
+
+def test_two_step_9x_spike_with_an_elevated_step_after_it_does_not_fire() -> None:
+    # The largest corrupted-batch spikes recorded reach 8-10x the (low) baseline; one more
+    # elevated step after them is still a spike's aftermath.
+    base = noisy(200, 2.0, 0.05, seed=7)
+    assert first_detection([*base, 18.0, 19.0, 3.2, 2.0, 2.0, 2.0, 2.0]) is None
+    assert first_detection([*base, 19.0, 18.0, 3.6, 2.0, 2.0, 2.0, 2.0]) is None
 
 
 def test_spike_with_one_elevated_aftermath_step_does_not_fire() -> None:
@@ -374,6 +421,7 @@ def test_rearms_after_excursion_when_not_once() -> None:
         {"dip": 2.0},
         {"hold": 1.5},
         {"fast_ratio": 1.0},
+        {"spike_ratio": 0.5},
         {"memory": 0},
         {"sigmas": -1.0},
     ],
