@@ -50,12 +50,13 @@ def measure(events: int) -> dict[str, Any]:
         bus.start()
         bus.flush(timeout=120)  # the sidecar is up: a run overlaps its start with set-up
         side0 = _sidecar_cpu_s(bus)
+        cpu0 = _thread_cpu_s()  # start-up (imports, the sidecar's launch) is not per event
         t0 = time.perf_counter()
         for i in range(events):
             publish(Loss(step=i, value=i * 0.001))
         t_published = time.perf_counter()
         bus.flush(timeout=600)
-        cpu = _thread_cpu_s()  # before close: the bus thread and the writer's worker still live
+        cpu = _thread_cpu_s(since=cpu0)  # before close: the bus thread and workers still live
         side = _sidecar_cpu_s(bus) - side0  # the sidecar process (the writer runs there)
         st = bus.close(timeout=600)
         t1 = time.perf_counter()
@@ -103,16 +104,18 @@ def _sidecar_cpu_s(bus: Any) -> float:
     return float(t.user + t.system)
 
 
-def _thread_cpu_s() -> dict[str, float]:
-    """CPU seconds used so far by each live thread of this process, by thread name."""
+def _thread_cpu_s(since: dict[str, float] | None = None) -> dict[str, float]:
+    """CPU seconds used by each live thread of this process, by thread name: so far, or
+    since the readings `since`."""
     import threading
 
     import psutil
 
     names = {t.native_id: t.name for t in threading.enumerate()}
-    return {
+    now = {
         names.get(t.id, str(t.id)): t.user_time + t.system_time for t in psutil.Process().threads()
     }
+    return {k: v - (since or {}).get(k, 0.0) for k, v in now.items()}
 
 
 def run(quick: bool = False, events: int | None = None) -> dict[str, Any]:
