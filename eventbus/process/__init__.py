@@ -18,7 +18,7 @@ under `if __name__ == "__main__":`; an unguarded script fails to build the subsc
 with an error saying so.
 """
 
-from eventbus.process.errors import RemoteError
+from eventbus.process.errors import RemoteError, RemoteTimeout
 from eventbus.process.proxy import ProcessSubscriber
 
-__all__ = ["ProcessSubscriber", "RemoteError"]
+__all__ = ["ProcessSubscriber", "RemoteError", "RemoteTimeout"]

@@ -35,7 +35,7 @@ from eventbus.log import get_logger
 from eventbus.process import wire
 from eventbus.process.channel import Channel
 from eventbus.process.closing import POLL_S, Closing
-from eventbus.process.errors import RemoteError
+from eventbus.process.errors import RemoteTimeout
 from eventbus.process.proxy import ProcessSubscriber
 from eventbus.process.remote import Remote
 from eventbus.process.reports import Reports
@@ -309,12 +309,26 @@ class Sidecar(Closing, Reports):
         """Each sidecar subscriber's `state_dict()`, by name."""
         if not self.remotes or self.gave_up is not None:
             return {}
-        states: dict[str, Any] = self.request(wire.STATE, None)
+        states: dict[str, Any] = self._checkpoint(wire.STATE, None)
         return states
 
     def load_state_dicts(self, states: dict[str, Any]) -> None:
         if states:
-            self.request(wire.LOAD, states)
+            self._checkpoint(wire.LOAD, states)
+
+    def _checkpoint(self, op: bytes, arg: Any) -> Any:
+        """A state request, answered within the bus's `close_timeout`: a hung sidecar
+        subscriber (with `hang_timeout=None`) must not hold the training thread for ever."""
+        t = self.bus.close_timeout
+        try:
+            return self.request(op, arg, within=t)
+        except RemoteTimeout as e:
+            raise RemoteTimeout(
+                f"the sidecar's subscribers did not answer a checkpoint request within {t} s "
+                "(close_timeout): one is hung, or holds the sidecar's reading with a full "
+                "queue. bus.stats() names the one that is behind; set hang_timeout to have it "
+                "disabled, or save without the bus's state"
+            ) from e
 
     def request(self, op: bytes, arg: Any, *, within: float | None = None) -> Any:
         """Ask the sidecar and wait for its answer (`within` seconds at most); raise
@@ -325,7 +339,7 @@ class Sidecar(Closing, Reports):
         with self._cond:
             while (got := chan.answer(req)) is None:
                 if time.monotonic() >= end:
-                    raise RemoteError(f"the sidecar did not answer within {within} s")
+                    raise RemoteTimeout(f"the sidecar did not answer within {within} s")
                 self._cond.wait(POLL_S)
         return got[0]
 

@@ -18,7 +18,7 @@ import pytest
 
 from eventbus import EventBus
 from eventbus.events import Loss, SaveRequested, Scalars, StopRequested
-from eventbus.process import ProcessSubscriber
+from eventbus.process import ProcessSubscriber, RemoteTimeout
 from eventbus.sinks import JsonlWriter, TensorBoardSink
 from eventbus.stats import losses
 from tests.conftest import Recorder
@@ -549,6 +549,33 @@ def test_what_our_side_still_holds_for_a_hung_sidecar_at_close_is_its_loss(
     assert (h.published, h.dropped, h.delivered, h.queued) == (24, 24, 0, 0)
     assert (losses(st) or {}).get("dropped") == 24
     assert took < 3.2  # its deadline (0.25 s later the loop would be abandoned as blocked)
+
+
+def test_a_checkpoint_request_a_hung_sidecar_cannot_read_fails_in_time_and_says_why(
+    tmp_path: Path,
+) -> None:
+    """`bus.state_dict()` asked the sidecar without a deadline: with its reading held by a
+    hung lossless subscriber (`hang_timeout=None`), the training thread waited for ever."""
+    mib = 1 << 20
+    bus = EventBus(
+        drain_interval=0.002, close_timeout=1, hang_timeout=None, queue_max_bytes=4 * mib
+    )
+    bus.subscribe(Gate(str(tmp_path / "never")), placement="process", maxsize=1)
+    side = bus._sidecar
+    assert side is not None
+    try:
+        bus.start()
+        for i in range(24):
+            bus.publish(BigBlob(step=i, data="x" * mib))
+        q = side.delivery
+        assert until(lambda: q.queue is not None and len(q.queue) > 0)  # the window is full
+        start = time.monotonic()
+        with pytest.raises(RemoteTimeout, match="did not answer a checkpoint request within 1"):
+            bus.state_dict()
+        assert time.monotonic() - start < 10
+    finally:
+        bus.close(timeout=3)
+        (tmp_path / "never").write_text("")  # it goes on, drains and exits
 
 
 class _Phantom:
