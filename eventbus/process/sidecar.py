@@ -213,14 +213,18 @@ class Sidecar(Closing, Reports):
         in the window by sleeping, as backpressure."""
         if self._stale is not None and (batch[0].seq or 0) < self._stale:
             self._unreachable(batch)
+        await self._forward(batch)
+
+    async def _forward(self, batch: list[Event]) -> None:
         cut = self._cut
         if cut is not None:  # a removal waits for what was published before it
             i = next((k for k, ev in enumerate(batch) if (ev.seq or 0) >= cut), None)
             if i is not None:
                 if i:
-                    await self.on_events(batch[:i])
+                    await self._forward(batch[:i])
                 self._removed(batch[i].seq)
-                batch = batch[i:]
+                await self._forward(batch[i:])  # the next removal may cut it again
+                return
         counts = Counter(map(type, batch))  # per type, at C speed: no loop per event here
         routes = {cls: self._wanting(cls) for cls in counts}
         if not any(routes.values()):

@@ -8,7 +8,7 @@ from pathlib import Path
 from eventbus import EventBus
 from eventbus.events import Loss
 from tests.core.helpers import identity
-from tests.process.subs import Tally, WhereAmI
+from tests.process.subs import Tally, WhereAmI, steps_in
 
 
 def test_what_an_older_one_publishes_at_close_is_not_charged_to_a_newer_one_ended_before(
@@ -30,3 +30,25 @@ def test_what_an_older_one_publishes_at_close_is_not_charged_to_a_newer_one_ende
     assert (n.state, n.published, n.delivered, n.dropped) == ("closed", 5, 5, 0)
     assert st[older.name].state == "closed"  # type: ignore[index]
     assert st.sidecar is not None and st.sidecar.lost == 0
+
+
+def test_two_removals_in_one_batch_each_keep_only_what_came_before(tmp_path: Path) -> None:
+    """One batch here spans both removals: it was split at the first only, so the second
+    removed subscriber was sent (and counted) what was published after its removal."""
+    bus = EventBus(drain_interval=0.002, close_timeout=20)
+    a = bus.subscribe(Tally(str(tmp_path / "a")), placement="process")
+    b = bus.subscribe(Tally(str(tmp_path / "b")), placement="process")
+    for i in range(15):  # before start: routed here together, in one batch
+        if i == 5:
+            a.remove()
+        if i == 10:
+            b.remove()
+        bus.publish(Loss(step=i, value=1.0))
+    bus.start()
+    st = bus.close()
+    identity(st)
+    assert steps_in(tmp_path / "a") == list(range(5))
+    assert steps_in(tmp_path / "b") == list(range(10))
+    sa, sb = st[a.name], st[b.name]  # type: ignore[index]
+    assert (sa.published, sa.delivered, sa.dropped) == (5, 5, 0)
+    assert (sb.published, sb.delivered, sb.dropped) == (10, 10, 0)
