@@ -7,7 +7,7 @@ from pathlib import Path
 
 from eventbus import EventBus
 from eventbus.events import Loss
-from tests.core.helpers import identity
+from tests.core.helpers import identity, until
 from tests.process.subs import Tally, WhereAmI, steps_in
 
 
@@ -52,3 +52,29 @@ def test_two_removals_in_one_batch_each_keep_only_what_came_before(tmp_path: Pat
     sa, sb = st[a.name], st[b.name]  # type: ignore[index]
     assert (sa.published, sa.delivered, sa.dropped) == (5, 5, 0)
     assert (sb.published, sb.delivered, sb.dropped) == (10, 10, 0)
+
+
+def test_a_split_batch_waiting_for_the_window_is_counted_whole_when_the_close_gives_up(
+    tmp_path: Path,
+) -> None:
+    """A batch cut at a removal: its first part waits for room in the window when the close
+    gives up on the sidecar. That part was counted (held), the rest vanished: `a` showed 5 of
+    the 10 events published to it."""
+    bus = EventBus(drain_interval=0.002, close_timeout=20, hang_timeout=None)
+    a = bus.subscribe(Tally(str(tmp_path / "a")), placement="process")
+    x = bus.subscribe(Tally(str(tmp_path / "x")), placement="process")
+    side = bus._sidecar
+    assert side is not None
+    for i in range(10):  # before start: one batch, cut at x's removal
+        if i == 5:
+            x.remove()
+        bus.publish(Loss(step=i, value=1.0))
+    with side._cond:
+        side.chan.in_flight += 1 << 40  # the window stays full: nothing more is sent
+    bus.start()
+    assert until(lambda: side._held is not None)  # the first part waits for room
+    st = bus.close(timeout=2)
+    identity(st)
+    sa, sx = st[a.name], st[x.name]  # type: ignore[index]
+    assert (sa.published, sa.delivered, sa.dropped, sa.queued) == (10, 0, 10, 0)
+    assert (sx.published, sx.delivered, sx.dropped, sx.queued) == (5, 0, 5, 0)
