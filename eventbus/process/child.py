@@ -76,6 +76,7 @@ class Host:
         self.bus._loop.ending = None  # the parent ends the run: its RunEnded comes through
         self.handle.host_stats = self.bus.stats
         self.subs: dict[int, Subscription] = {}
+        self.removed: dict[int, Subscription] = {}  # an END after its REMOVE still waits on it
         self.own: dict[str, Any] = {}  # subscribers with a `stats()` of their own, by name
         self._unacked = 0  # bytes of batches taken in and not yet acknowledged
         self._main_imported = False
@@ -115,9 +116,11 @@ class Host:
         elif op == wire.ADD:
             self._add(pickle.loads(payload))
         elif op == wire.REMOVE:
-            sub = self.subs.pop(pickle.loads(payload), None)
+            rid = pickle.loads(payload)
+            sub = self.subs.pop(rid, None)
             if sub is not None:
                 sub.remove()
+                self.removed[rid] = sub
         elif op == wire.CLOSE:
             req, (timeout, self.handle.parent_stats) = pickle.loads(payload)
             self.handle.closing = True  # each subscriber was ended already, unless out of time
@@ -188,7 +191,7 @@ class Host:
         `parent`: the training process's counters, final (a writer's last stats record).
         None: not here (never built)."""
         self.handle.parent_stats = parent
-        sub = self.subs.pop(rid, None)
+        sub = self.subs.pop(rid, None) or self.removed.pop(rid, None)
         if sub is None:
             return None
         sub.remove()

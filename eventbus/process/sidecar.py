@@ -99,6 +99,8 @@ class Sidecar(Closing, Reports):
         self._routes: dict[type, tuple[Remote, ...]] = {}
         self._cut: int | None = None  # the first seq a removed subscriber no longer gets
         self._held: _Batch | None = None  # a batch waiting for room in the window
+        self._rest: list[Event] = []  # what follows it in the batch in hand (cut at a removal)
+        self._told: set[int] = set()  # removed ones the batch in hand was counted lost for
         self._stale: int | None = None  # events below this seq may be a removed one's
         self._cond = threading.Condition()
         self._ids = 0
@@ -211,29 +213,36 @@ class Sidecar(Closing, Reports):
 
         On the bus loop (no hand-over to a worker thread): it never blocks; it waits for room
         in the window by sleeping, as backpressure."""
+        self._told = set()
         if self._stale is not None and (batch[0].seq or 0) < self._stale:
             self._unreachable(batch)
+        await self._forward(batch, [])
+
+    async def _forward(self, batch: list[Event], rest: list[Event]) -> bool:
+        """Post `batch` (`rest` follows it); False: the close gave up on us (all counted)."""
         cut = self._cut
         if cut is not None:  # a removal waits for what was published before it
             i = next((k for k, ev in enumerate(batch) if (ev.seq or 0) >= cut), None)
             if i is not None:
-                if i:
-                    await self.on_events(batch[:i])
+                if i and not await self._forward(batch[:i], batch[i:] + rest):
+                    return False
                 self._removed(batch[i].seq)
-                batch = batch[i:]
+                return await self._forward(batch[i:], rest)  # the next removal may cut it
         counts = Counter(map(type, batch))  # per type, at C speed: no loop per event here
         routes = {cls: self._wanting(cls) for cls in counts}
         if not any(routes.values()):
-            return
+            return True
         live = {cls: any(not r.off for r in rs) for cls, rs in routes.items()}
         out = batch if all(live.values()) else [ev for ev in batch if live[type(ev)]]
         data, bad = self._pack(out) if out and not self.closing else (b"", [])
         wanted = [(routes[cls], n) for cls, n in counts.items()]
         args = (data, len(out) - len(bad), wanted, bad)
+        self._rest = rest
         while not self._post(args):
             await anyio.sleep(POLL_S / 10)  # backpressure: the sidecar acknowledges as it reads
             if self._held is not args:  # the close gave up on us meanwhile: counted there
-                return
+                return False
+        return True
 
     def _pack(self, out: list[Event]) -> tuple[bytes, list[Event]]:
         """The batch packed once; an event that cannot cross (a field pickle refuses) is left
@@ -283,10 +292,13 @@ class Sidecar(Closing, Reports):
         with self._cond:
             self.closing = True
             held, self._held = self._held, None
+            rest = self._rest if held is not None else []  # its coroutine ends at the wake
             if held is not None:
                 self._post((b"", 0, held[2], held[3]))  # closing: counted lost, never sent
             for r in self.remotes.values():
                 k = sum(map(r.wants, queued))
+                if r.id not in self._told:  # else `_unreachable` counted the batch for it
+                    k += sum(map(r.wants, rest))
                 r.sent, r.lost = r.sent + k, r.lost + k
 
     def _unreachable(self, batch: list[Event]) -> None:
@@ -295,6 +307,7 @@ class Sidecar(Closing, Reports):
         with self._cond:
             for r in self.remotes.values():
                 if r.cut is not None and r.remove_at is None:
+                    self._told.add(r.id)
                     k = sum(map(r.wants, batch))
                     r.sent, r.lost = r.sent + k, r.lost + k
             if (batch[-1].seq or 0) >= (self._stale or 0) - 1:

@@ -1,0 +1,80 @@
+"""The sidecar's subscribers ended at close and removed mid-run: each is counted for exactly
+what was published to it (before its end or removal), never for what came after."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from eventbus import EventBus
+from eventbus.events import Loss
+from tests.core.helpers import identity, until
+from tests.process.subs import Tally, WhereAmI, steps_in
+
+
+def test_what_an_older_one_publishes_at_close_is_not_charged_to_a_newer_one_ended_before(
+    tmp_path: Path,
+) -> None:
+    """Newest first: the newer one is ended before the older one publishes from `on_close`.
+    The sidecar's answer to END was always "not here" (the REMOVE posted just before had
+    taken it), so the ended one was put back to running and charged the older one's summary
+    as a loss: a healthy close logged "closed with losses"."""
+    bus = EventBus(drain_interval=0.002, close_timeout=20)
+    older = bus.subscribe(Tally(str(tmp_path / "t")), placement="process")  # a Scalars at close
+    newer = bus.subscribe(WhereAmI(str(tmp_path / "w")), placement="process")  # every event
+    with bus:
+        for i in range(5):
+            bus.publish(Loss(step=i, value=1.0))
+    st = bus.stats()
+    identity(st)
+    n = st[newer.name]  # type: ignore[index]
+    assert (n.state, n.published, n.delivered, n.dropped) == ("closed", 5, 5, 0)
+    assert st[older.name].state == "closed"  # type: ignore[index]
+    assert st.sidecar is not None and st.sidecar.lost == 0
+
+
+def test_two_removals_in_one_batch_each_keep_only_what_came_before(tmp_path: Path) -> None:
+    """One batch here spans both removals: it was split at the first only, so the second
+    removed subscriber was sent (and counted) what was published after its removal."""
+    bus = EventBus(drain_interval=0.002, close_timeout=20)
+    a = bus.subscribe(Tally(str(tmp_path / "a")), placement="process")
+    b = bus.subscribe(Tally(str(tmp_path / "b")), placement="process")
+    for i in range(15):  # before start: routed here together, in one batch
+        if i == 5:
+            a.remove()
+        if i == 10:
+            b.remove()
+        bus.publish(Loss(step=i, value=1.0))
+    bus.start()
+    st = bus.close()
+    identity(st)
+    assert steps_in(tmp_path / "a") == list(range(5))
+    assert steps_in(tmp_path / "b") == list(range(10))
+    sa, sb = st[a.name], st[b.name]  # type: ignore[index]
+    assert (sa.published, sa.delivered, sa.dropped) == (5, 5, 0)
+    assert (sb.published, sb.delivered, sb.dropped) == (10, 10, 0)
+
+
+def test_a_split_batch_waiting_for_the_window_is_counted_whole_when_the_close_gives_up(
+    tmp_path: Path,
+) -> None:
+    """A batch cut at a removal: its first part waits for room in the window when the close
+    gives up on the sidecar. That part was counted (held), the rest vanished: `a` showed 5 of
+    the 10 events published to it."""
+    bus = EventBus(drain_interval=0.002, close_timeout=20, hang_timeout=None)
+    a = bus.subscribe(Tally(str(tmp_path / "a")), placement="process")
+    x = bus.subscribe(Tally(str(tmp_path / "x")), placement="process")
+    side = bus._sidecar
+    assert side is not None
+    for i in range(10):  # before start: one batch, cut at x's removal
+        if i == 5:
+            x.remove()
+        bus.publish(Loss(step=i, value=1.0))
+    with side._cond:
+        side.chan.in_flight += 1 << 40  # the window stays full: nothing more is sent
+    bus.start()
+    assert until(lambda: side._held is not None)  # the first part waits for room
+    st = bus.close(timeout=2)
+    identity(st)
+    sa, sx = st[a.name], st[x.name]  # type: ignore[index]
+    assert (sa.published, sa.delivered, sa.dropped, sa.queued) == (10, 0, 10, 0)
+    assert (sx.published, sx.delivered, sx.dropped, sx.queued) == (5, 0, 5, 0)
