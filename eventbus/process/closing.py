@@ -110,8 +110,9 @@ class Closing:
                 within = max(0.05, left - min(0.25, left / 10))
                 hung, self.late = self.request(wire.CLOSE, t, within=within)
                 self.hung, self.final = tuple(hung), True
-                for r in self.remotes.values():  # every report is in: the rest never came
-                    r.unhandled()
+                with self._cond:  # the loop may be counting what it never sent (`_hang`)
+                    for r in self.remotes.values():  # every report is in: the rest never came
+                        r.unhandled()
                 for name in self.hung:
                     get_logger().error("sidecar subscriber hung at close", subscriber=name)
                 if self.late:  # ended out of time: they published while all else closed
