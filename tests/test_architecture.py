@@ -52,6 +52,7 @@ LAYERS: dict[str, str] = {
     "eventbus.core": CORE,
     "eventbus.core.delivery": CORE,
     "eventbus.core.checkpoint": CORE,
+    "eventbus.core.busy": CORE,
     "eventbus.core.cost": CORE,
     "eventbus.core.ending": CORE,
     "eventbus.core.markers": CORE,

@@ -9,9 +9,10 @@ from __future__ import annotations
 import inspect
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Hashable, Iterable
+from collections.abc import Awaitable, Callable, Hashable
 from typing import Any
 
+from eventbus.core.busy import Busy
 from eventbus.core.cost import cpu_timed
 from eventbus.core.markers import Markers
 from eventbus.core.queue import SubscriberQueue, check_key
@@ -24,7 +25,7 @@ from eventbus.core.subscriber import (
     loop_cancelled,
     takes_argument,
 )
-from eventbus.core.worker import ThreadWorker
+from eventbus.core.worker import ThreadWorker, call_each
 from eventbus.events import Event
 from eventbus.log import RateLimiter, get_logger
 from eventbus.stats import SubscriberStats
@@ -80,8 +81,7 @@ class Delivery:
         self.lost_in_flight = 0  # the call in progress when the bus abandoned it
         self._abandoned = False
         self._batch_done = 0  # events of the batch in hand already counted
-        self.busy_since: float | None = None
-        self.busy_with: str | None = None
+        self.busy = Busy()  # the batch or hook it is inside now
         self.started = False  # its on_start returned (or raised): a flush waits for it
         self.latencies: deque[float] = deque(maxlen=1024)
         self.cpu_ns = 0  # CPU time of its async calls, on the loop (its worker counts the rest)
@@ -179,7 +179,7 @@ class Delivery:
         first_ts = batch[0].ts
         if type(first_ts) is int:  # a user may have set anything
             self.latencies.append((time.time_ns() - first_ts) / 1e6)
-        self._busy(type(batch[0]).__name__)
+        token = self.busy.enter(type(batch[0]).__name__)
         self.in_flight = len(batch)
         self._batch_done = 0
         try:
@@ -187,7 +187,7 @@ class Delivery:
                 return await self._call_batch(batch)
             return await self._call_each(batch)
         finally:
-            self.busy_since = self.busy_with = None
+            self.busy.leave(token)
             self.in_flight = 0
 
     async def _call_batch(self, batch: list[Event]) -> BaseException | None:
@@ -210,7 +210,7 @@ class Delivery:
         if self.is_async:
             results: list[tuple[Event, BaseException | None]] = []
             for ev in batch:
-                self.busy_with = type(ev).__name__
+                self.busy.what = type(ev).__name__
                 try:
                     await self._call_async(self.sub, ev)
                 except BaseException as e:
@@ -220,7 +220,7 @@ class Delivery:
                 else:
                     results.append((ev, None))
         else:
-            results = await self.worker.call(_call_each, self.sub, batch)
+            results = await self.worker.call(call_each, self.sub, batch)
         for i, (ev, result) in enumerate(results):
             outcome = result
             if isinstance(result, Awaitable):  # `lambda ev: coro(ev)`: run what it returned
@@ -267,7 +267,7 @@ class Delivery:
             return True
         if args and not takes_argument(fn):
             args = ()  # `on_start(self)` without the bus is fine too
-        self._busy(hook)
+        token = self.busy.enter(hook)
         try:
             await self._call(fn, *args)
         except BaseException as e:
@@ -288,12 +288,17 @@ class Delivery:
                 self.disable(self.last_error)
             return False
         finally:
-            self.busy_since = self.busy_with = None
+            self.busy.leave(token)
         return True
 
-    def _busy(self, what: str) -> None:
-        self.busy_since = time.monotonic()
-        self.busy_with = what
+    @property
+    def busy_since(self) -> float | None:
+        """When the call it is inside began (monotonic); None when idle."""
+        return self.busy.since
+
+    @property
+    def busy_with(self) -> str | None:
+        return self.busy.what
 
     # -- accounting -------------------------------------------------------------------------
 
@@ -382,19 +387,3 @@ class Delivery:
 
 async def _awaited(aw: Awaitable[Any]) -> Any:
     return await aw
-
-
-def _call_each(fn: Callable[[Event], Any], batch: Iterable[Event]) -> list[tuple[Event, Any]]:
-    """Worker side of a plain sync function: one call per event, failures kept apart.
-
-    Each entry is (event, None), (event, the exception) or (event, an awaitable it returned).
-    """
-    out: list[tuple[Event, Any]] = []
-    for ev in batch:
-        try:
-            r = fn(ev)
-        except BaseException as e:  # SystemExit and KeyboardInterrupt too: counted, isolated
-            out.append((ev, e))
-        else:
-            out.append((ev, r if inspect.isawaitable(r) else None))
-    return out

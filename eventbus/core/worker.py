@@ -7,13 +7,17 @@ close and never keeps the interpreter from exiting, and each subscriber's calls 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import queue
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["ThreadWorker", "in_worker", "thread_state", "worker_name"]
+if TYPE_CHECKING:
+    from eventbus.events import Event
+
+__all__ = ["ThreadWorker", "call_each", "in_worker", "thread_state", "worker_name"]
 
 _cpu_ns = time.thread_time_ns  # ~0.5 us a read here: once per call, never per event
 
@@ -96,3 +100,19 @@ class ThreadWorker:
                 loop.call_soon_threadsafe(_settle, fut, ok, value)
             except RuntimeError:  # the loop is gone: the bus closed without us
                 return
+
+
+def call_each(fn: Callable[[Event], Any], batch: Iterable[Event]) -> list[tuple[Event, Any]]:
+    """Worker side of a plain sync function: one call per event, failures kept apart.
+
+    Each entry is (event, None), (event, the exception) or (event, an awaitable it returned).
+    """
+    out: list[tuple[Event, Any]] = []
+    for ev in batch:
+        try:
+            r = fn(ev)
+        except BaseException as e:  # SystemExit and KeyboardInterrupt too: counted, isolated
+            out.append((ev, e))
+        else:
+            out.append((ev, r if inspect.isawaitable(r) else None))
+    return out

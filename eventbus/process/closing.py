@@ -40,6 +40,7 @@ class Closing:
     late: int
     final: bool
     _cond: threading.Condition
+    _through: int
 
     if TYPE_CHECKING:  # the sidecar's own (a stub here would shadow Reports' in the MRO)
 
@@ -56,7 +57,7 @@ class Closing:
         worker thread, where the close settles and closes the sidecar."""
         if self.gave_up is not None:
             return
-        self._removed(None)  # everything before the flush was sent
+        self._removed(self._through + 1)  # removals whose events were all sent
         chan, router = self.chan, self.bus._loop.router
         req = chan.ask(wire.FLUSH, self.bus.close_timeout)
         while (got := chan.answer(req)) is None:

@@ -99,6 +99,7 @@ class Sidecar(Closing, Reports):
         self._routes: dict[type, tuple[Remote, ...]] = {}
         self._cut: int | None = None  # the first seq a removed subscriber no longer gets
         self._held: _Batch | None = None  # a batch waiting for room in the window
+        self._through = -1  # the seq of the last event sent (or wanted by no one)
         self._rest: list[Event] = []  # what follows it in the batch in hand (cut at a removal)
         self._told: set[int] = set()  # removed ones the batch in hand was counted lost for
         self._stale: int | None = None  # events below this seq may be a removed one's
@@ -216,7 +217,8 @@ class Sidecar(Closing, Reports):
         self._told = set()
         if self._stale is not None and (batch[0].seq or 0) < self._stale:
             self._unreachable(batch)
-        await self._forward(batch, [])
+        if await self._forward(batch, []):
+            self._through = max(self._through, batch[-1].seq or 0)
 
     async def _forward(self, batch: list[Event], rest: list[Event]) -> bool:
         """Post `batch` (`rest` follows it); False: the close gave up on us (all counted)."""

@@ -223,3 +223,47 @@ def test_a_batch_may_fail_in_part(exc: BaseException, delivered: int, failed: in
     assert asyncio.run(main()) is exc
     d.worker.stop()
     assert (d.delivered, d.failed) == (delivered, failed)
+
+
+class _FlushOverlaps:
+    """Its `on_flush` (a task of its own) publishes step 2 and returns only once the batch
+    of step 2 is being handled: a hook and a batch in flight at once."""
+
+    policy = "block"
+    max_batch = 1
+
+    def __init__(self) -> None:
+        self.in_second = threading.Event()
+        self.release = threading.Event()
+        self.bus: Any = None
+
+    def on_start(self, bus: Any) -> None:
+        self.bus = bus
+
+    async def on_events(self, batch: list[Event]) -> None:
+        if any(ev.step == 2 for ev in batch):
+            self.in_second.set()
+            while not self.release.is_set():
+                await asyncio.sleep(0.001)
+
+    async def on_flush(self) -> None:
+        self.bus.publish(Loss(step=2, value=1.0))
+        while not self.in_second.is_set():
+            await asyncio.sleep(0.001)
+
+
+def test_a_hook_ending_while_a_batch_is_in_flight_leaves_it_busy() -> None:
+    """`call_hook` cleared the busy mark when `on_flush` returned, with a batch still inside
+    the subscriber: hang detection, the close's drain and the flush saw it idle."""
+    sub = _FlushOverlaps()
+    bus = EventBus(drain_interval=0.002, close_timeout=10)
+    bus.subscribe(sub, events=Loss)
+    (d,) = bus._deliveries
+    with bus:
+        bus.publish(Loss(step=1, value=1.0))
+        assert bus.flush(timeout=10)
+        assert sub.in_second.is_set()
+        assert (d.busy_with, d.idle) == ("Loss", False)  # step 2 is still being handled
+        assert d.busy_since is not None
+        sub.release.set()
+    assert bus.stats()[d.name].delivered == 2  # type: ignore[index]

@@ -3,6 +3,7 @@ what was published to it (before its end or removal), never for what came after.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 from eventbus import EventBus
@@ -78,3 +79,47 @@ def test_a_split_batch_waiting_for_the_window_is_counted_whole_when_the_close_gi
     sa, sx = st[a.name], st[x.name]  # type: ignore[index]
     assert (sa.published, sa.delivered, sa.dropped, sa.queued) == (10, 0, 10, 0)
     assert (sx.published, sx.delivered, sx.dropped, sx.queued) == (5, 0, 5, 0)
+
+
+def test_a_removal_made_while_a_flush_waits_keeps_what_came_before_it(tmp_path: Path) -> None:
+    """The flush told the sidecar of every removal at once, even one made after the flush
+    began whose earlier events still waited here: those events then reached no one (counted
+    lost), breaking "what was published before the removal still reaches it". And the
+    flush's `on_flush`, ending, marked the sidecar's delivery idle while a batch still waited
+    for room, so the close settled (and told the removal) before that batch was sent."""
+    bus = EventBus(drain_interval=0.002, close_timeout=20)
+    t = bus.subscribe(Tally(str(tmp_path / "t")), placement="process")
+    bus.subscribe(Tally(str(tmp_path / "other")), placement="process")
+    side = bus._sidecar
+    assert side is not None
+    window = side.max_bytes_in_flight
+    with bus:
+        bus.publish(Loss(step=0, value=1.0))
+        assert bus.flush(timeout=30)
+        with side._cond:  # room for one small batch, then the window is full
+            side.chan.in_flight += window - 600
+        bus.publish(Loss(step=1, value=1.0))
+        assert until(lambda: side._through >= 1)  # step 1 sent; the window now holds
+        with side._cond:
+            side.chan.in_flight += 1 << 40
+        bus.publish(Loss(step=2, value=1.0))
+        assert until(lambda: side._held is not None)  # step 2 waits for room
+        flushed: list[bool] = []
+        waiter = threading.Thread(target=lambda: flushed.append(bus.flush(timeout=30)))
+        waiter.start()
+        assert until(lambda: len(side.delivery._markers._due) > 0)  # the flush waits on us
+        for i in range(3, 40):  # behind the flush marker
+            bus.publish(Loss(step=i, value=1.0))
+        t.remove()
+        with side._cond:  # the window opens for step 2 only: the rest waits again
+            side.chan.in_flight -= 1 << 40
+        waiter.join(30)
+        assert flushed == [True]
+        assert side.delivery.busy_since is not None  # still inside the batch of steps 3-39
+        with side._cond:
+            side.chan.in_flight -= window - 600
+    st = bus.stats()
+    identity(st)
+    assert steps_in(tmp_path / "t") == list(range(40))
+    s = st[t.name]  # type: ignore[index]
+    assert (s.published, s.delivered, s.dropped) == (40, 40, 0)
