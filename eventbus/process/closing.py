@@ -66,6 +66,8 @@ class Closing:
         req = chan.ask(wire.FLUSH, self.bus.close_timeout)
         while (got := chan.answer(req)) is None:
             if router.closing:  # the close settles the sidecar itself; this wait must end
+                with self._cond:
+                    chan.forget(req)
                 raise TimeoutError("the bus closed before the sidecar's subscribers flushed")
             await anyio.sleep(POLL_S / 10)
         if got[0] is False:
