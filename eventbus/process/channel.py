@@ -42,6 +42,7 @@ class Channel:
         self.spawn_s: float | None = None
         self.storm_dropped = 0  # what its subscribers published beyond what it holds for us
         self.replies: dict[int, tuple[str | None, Any]] = {}
+        self.abandoned: set[int] = set()  # requests given up on: their late answers let go
         self._asked = itertools.count(1)
         self.post(start)
         for add in adds:  # a restart rebuilds them all, in order
@@ -75,6 +76,12 @@ class Channel:
         if error is not None:
             raise RemoteError(error)
         return (value,)
+
+    def forget(self, req: int) -> None:
+        """Its asker gave up on `req` (under the lock the reader stores replies under): an
+        answer coming later is dropped, not kept for ever under a number nobody asks for."""
+        if self.replies.pop(req, None) is None:
+            self.abandoned.add(req)
 
     def _send_loop(self) -> None:
         try:

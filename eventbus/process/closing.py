@@ -7,6 +7,7 @@ sidecar's bus closed, and the process let go. Also `flush()` of the sidecar's su
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,7 @@ from eventbus.process.errors import RemoteError
 
 if TYPE_CHECKING:
     from eventbus.bus import EventBus
+    from eventbus.core.delivery import Delivery
     from eventbus.process.channel import Channel
     from eventbus.process.remote import Remote
 
@@ -41,6 +43,8 @@ class Closing:
     final: bool
     _cond: threading.Condition
     _through: int
+    _held: Any
+    delivery: Delivery
 
     if TYPE_CHECKING:  # the sidecar's own (a stub here would shadow Reports' in the MRO)
 
@@ -57,17 +61,32 @@ class Closing:
         worker thread, where the close settles and closes the sidecar."""
         if self.gave_up is not None:
             return
-        self._removed(self._through + 1)  # removals whose events were all sent
+        self._removed(self._sent_through() + 1)  # removals whose events were all sent
         chan, router = self.chan, self.bus._loop.router
         req = chan.ask(wire.FLUSH, self.bus.close_timeout)
         while (got := chan.answer(req)) is None:
             if router.closing:  # the close settles the sidecar itself; this wait must end
+                with self._cond:
+                    chan.forget(req)
                 raise TimeoutError("the bus closed before the sidecar's subscribers flushed")
             await anyio.sleep(POLL_S / 10)
         if got[0] is False:
             raise TimeoutError(
                 f"the sidecar's subscribers did not flush within {self.bus.close_timeout} s"
             )
+
+    def _sent_through(self) -> int:
+        """The seq up to which every event that can still reach us was sent: the last one
+        sent, or, with nothing here (queued, in hand, held, in the inbox), every seq given out
+        so far: some never reach us (published before we attached, dropped at the inbox), and
+        waiting for them would leave a removal untold until the next event."""
+        d, loop = self.delivery, self.bus._loop
+        q = d.queue
+        if d.in_flight or self._held is not None or (q is not None and len(q)):
+            return self._through
+        if loop.router._hand is not None or loop.inbox.waiting():
+            return self._through
+        return max(self._through, next(copy.copy(self.bus._seq)) - 1)
 
     def settle(self, timeout: float) -> None:
         """At close, before any subscriber closes: the sidecar's subscribers handle what they

@@ -98,7 +98,10 @@ class Reports:
                 msg = pickle.loads(chan.conn.recv_bytes())
                 if msg[0] == "reply":
                     with self._cond:
-                        chan.replies[msg[1]] = (msg[2], msg[3])
+                        if msg[1] in chan.abandoned:  # its asker timed out: nobody reads it
+                            chan.abandoned.discard(msg[1])
+                        else:
+                            chan.replies[msg[1]] = (msg[2], msg[3])
                         self._cond.notify_all()
                 else:
                     handlers[msg[0]](chan, *msg[1:])

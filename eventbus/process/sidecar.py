@@ -354,6 +354,7 @@ class Sidecar(Closing, Reports):
         with self._cond:
             while (got := chan.answer(req)) is None:
                 if time.monotonic() >= end:
+                    chan.forget(req)
                     raise RemoteTimeout(f"the sidecar did not answer within {within} s")
                 self._cond.wait(POLL_S)
         return got[0]

@@ -227,6 +227,21 @@ class Gate:
         self.n = state["n"]
 
 
+class SlowState:
+    """Its `state_dict()` waits until the file `gate` exists: a checkpoint answered late."""
+
+    def __init__(self, gate: str) -> None:
+        self.gate = gate
+
+    def on_events(self, batch: list[Event]) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        while not os.path.exists(self.gate):
+            time.sleep(0.01)
+        return {"big": "x" * (1 << 20)}
+
+
 @dataclass(slots=True, kw_only=True)
 class BigBlob(Event):
     """A big event (a MiB of text, say) for the byte bounds."""

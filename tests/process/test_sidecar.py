@@ -31,6 +31,7 @@ from tests.process.subs import (
     Gate,
     SlowStart,
     SlowStartNoFlush,
+    SlowState,
     Storm,
     Summary,
     Tally,
@@ -576,6 +577,29 @@ def test_a_checkpoint_request_a_hung_sidecar_cannot_read_fails_in_time_and_says_
     finally:
         bus.close(timeout=3)
         (tmp_path / "never").write_text("")  # it goes on, drains and exits
+
+
+def test_an_answer_that_comes_after_its_checkpoint_request_timed_out_is_not_kept(
+    tmp_path: Path,
+) -> None:
+    """`RemoteTimeout` left the request's reply slot to the reader: the late answer (a whole
+    state dict) was stored under a number nobody asks for again, one more per timed-out
+    `bus.state_dict()`, for the life of the sidecar."""
+    bus = EventBus(drain_interval=0.002, close_timeout=0.5)
+    bus.subscribe(SlowState(str(tmp_path / "gate")), placement="process")
+    side = bus._sidecar
+    assert side is not None
+    with bus:
+        for _ in range(3):
+            with pytest.raises(RemoteTimeout):
+                bus.state_dict()
+        chan = side.chan
+        (tmp_path / "gate").write_text("")  # the three answers come now, late
+        # every late answer came and was let go (`abandoned`: the numbers given up on)
+        assert until(lambda: not chan.replies and not getattr(chan, "abandoned", [0])), list(
+            chan.replies
+        )
+        assert len(bus.state_dict()["SlowState"]["big"]) == 1 << 20  # the next one is its own
 
 
 class _Phantom:
