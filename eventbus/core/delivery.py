@@ -292,6 +292,11 @@ class Delivery:
         return True
 
     @property
+    def abandoned(self) -> bool:
+        """The bus gave up on it (hung, or its close ran out of time): nothing more is called."""
+        return self._abandoned
+
+    @property
     def busy_since(self) -> float | None:
         """When the call it is inside began (monotonic); None when idle."""
         return self.busy.since

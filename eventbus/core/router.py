@@ -284,7 +284,8 @@ class Router:
 
     async def _flushed(self, d: Delivery, marker: Flush) -> None:
         try:
-            if d.state is State.RUNNING and not await d.call_hook("on_flush"):
+            # Abandoned: its worker is stopped, so a sync hook would never return.
+            if d.abandoned or (d.state is State.RUNNING and not await d.call_hook("on_flush")):
                 marker.ok = False
         finally:
             marker.one_done()

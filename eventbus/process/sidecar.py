@@ -332,15 +332,16 @@ class Sidecar(Closing, Reports):
             self._checkpoint(wire.LOAD, states)
 
     def _checkpoint(self, op: bytes, arg: Any) -> Any:
-        """A state request, answered within the bus's `close_timeout`: a hung sidecar
-        subscriber (with `hang_timeout=None`) must not hold the training thread for ever."""
-        t = self.bus.close_timeout
+        """A state request, answered within twice the bus's `close_timeout` (the sidecar
+        flushes first, within one): a hung sidecar subscriber (with `hang_timeout=None`) must
+        not hold the training thread for ever."""
+        t = 2 * self.bus.close_timeout
         try:
             return self.request(op, arg, within=t)
         except RemoteTimeout as e:
             raise RemoteTimeout(
                 f"the sidecar's subscribers did not answer a checkpoint request within {t} s "
-                "(close_timeout): one is hung, or holds the sidecar's reading with a full "
+                "(twice close_timeout): one is hung, or holds the sidecar's reading with a full "
                 "queue. bus.stats() names the one that is behind; set hang_timeout to have it "
                 "disabled, or save without the bus's state"
             ) from e

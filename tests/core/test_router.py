@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Any
 
@@ -195,3 +196,34 @@ def test_counting_a_drop_re_entered_on_the_same_thread_does_not_deadlock() -> No
     threading.Thread(target=interrupted, daemon=True).start()
     assert done.wait(10), "a drop counted re-entrantly deadlocked"
     bus.close()
+
+
+class _SyncFlush:
+    """A sync subscriber with an `on_flush` (run on its worker thread)."""
+
+    def __init__(self) -> None:
+        self.flushes = 0
+
+    def on_events(self, batch: list[Event]) -> None:
+        pass
+
+    def on_flush(self) -> None:
+        self.flushes += 1
+
+
+def test_a_flush_reaching_an_abandoned_subscriber_fails_at_once_and_leaves_it_idle() -> None:
+    """`abandon()` releases the flushes waiting on it: `on_flush` then went to its stopped
+    worker and never returned, so the flush waited its whole timeout and the subscriber
+    stayed busy, to be named hung at close."""
+    sub = _SyncFlush()
+    bus = EventBus(drain_interval=0.002)
+    bus.subscribe(sub)
+    (d,) = bus._deliveries
+    with bus:
+        assert bus.flush(timeout=10) and sub.flushes == 1
+        d.abandon()  # as the close does to one only waiting its turn
+        start = time.monotonic()
+        assert bus.flush(timeout=20) is False
+        assert time.monotonic() - start < 10
+        assert d.busy_since is None and sub.flushes == 1
+    assert d.name not in bus.stats().hung
