@@ -46,6 +46,10 @@ class Reports:
     def _launch(self) -> Channel:
         raise NotImplementedError
 
+    if TYPE_CHECKING:  # the sidecar's own (a stub here would shadow it in the MRO)
+
+        def _removed_gone(self) -> None: ...
+
     def _died(self, chan: Channel) -> None:
         """The channel ended unasked: count what was lost, restart it (or give up)."""
         with self._cond:
@@ -71,6 +75,7 @@ class Reports:
                 restarts=self.restarts - 1,
             )
             chan.stop()
+            self._removed_gone()
             for r in self.remotes.values():
                 if r.state is State.DISABLED and r.off is None:  # not rebuilt: counted here
                     r.off = "disabled before its sidecar died"

@@ -193,6 +193,17 @@ class Sidecar(Closing, Reports):
             self._cut = min(pending, default=None)
             self._routes.clear()
 
+    def _removed_gone(self) -> None:
+        """Its sidecar died: a removed subscriber is not rebuilt, so it has ended; events from
+        before its removal still waiting here cannot reach it (counted lost on the way)."""
+        for r in self.remotes.values():
+            if r.state is State.REMOVED:
+                if r.remove_at is not None:
+                    self._stale = max(self._stale or 0, r.remove_at)
+                    r.remove_at = None
+                r.state = State.CLOSED
+        self._cut = None  # no removal is pending any more
+
     def _wanting(self, cls: type) -> tuple[Remote, ...]:
         t = self._routes.get(cls)
         if t is None:

@@ -3,6 +3,8 @@ what was published to it (before its end or removal), never for what came after.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from pathlib import Path
 
@@ -151,3 +153,28 @@ def test_a_removal_is_told_at_the_flush_when_seqs_never_reached_the_sidecar(
         assert bus.flush(timeout=20)
         assert until(lambda: t.closed), t.stats()
     identity(bus.stats())
+
+
+def test_a_removed_subscriber_whose_sidecar_dies_has_ended(tmp_path: Path) -> None:
+    """The restarted sidecar rebuilds only live subscribers: one removed (and not yet ended
+    there) when the old one died stayed "removed", `closed` False, for ever."""
+    bus = EventBus(drain_interval=0.002, close_timeout=20)
+    t = bus.subscribe(Tally(str(tmp_path / "t")), placement="process")
+    bus.subscribe(Tally(str(tmp_path / "other")), placement="process")
+    with bus:
+        for i in range(5):
+            bus.publish(Loss(step=i, value=1.0))
+        assert bus.flush(timeout=30)
+        t.remove()
+        side = bus.stats().sidecar
+        assert side is not None and side.pid is not None
+        os.kill(side.pid, signal.SIGKILL)
+        assert until(lambda: (s := bus.stats().sidecar) is not None and s.restarts == 1, 30)
+        bus.publish(Loss(step=5, value=1.0))
+        assert bus.flush(timeout=30)
+        assert t.closed
+    st = bus.stats()
+    identity(st)
+    s = st[t.name]  # type: ignore[index]
+    assert (s.state, s.published, s.delivered + s.dropped) == ("closed", 5, 5)
+    assert steps_in(tmp_path / "other") == [5]  # rebuilt after the death: a fresh file
