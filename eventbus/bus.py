@@ -232,7 +232,9 @@ class EventBus:
     def _attach(self, d: Delivery) -> None:
         self._loop.router.expect(d)
         self._inbox.put_control(Attach(d))
-        self._close_at_exit()  # events for it must not vanish, even unstarted
+        if not self._exit_hook:  # events for it must not vanish, even unstarted
+            atexit.register(self._at_exit)
+            self._exit_hook = True
 
     def on(self, *events: type[Event], **options: Any) -> Callable[[F], F]:
         """Decorator form: `@bus.on(Loss)` subscribes a sync or async function of one event."""
@@ -264,10 +266,14 @@ class EventBus:
             if self._state == _CLOSED:
                 raise RuntimeError("this bus was closed; create a new EventBus to start again")
             teach_torch()  # torch imported since __init__: the same
-            self._loop.start()
-            self._inbox.mode = InboxMode.LIVE
-            self._state = _RUNNING
-            self._close_at_exit()
+            try:
+                self._loop.start()
+            except KeyboardInterrupt:  # a Ctrl-C while it started: never left running
+                if self._loop.thread is not None:
+                    self._inbox.mode, self._state = InboxMode.LIVE, _RUNNING
+                    self.close()  # its subscribers close (their files too), then the Ctrl-C
+                raise
+            self._inbox.mode, self._state = InboxMode.LIVE, _RUNNING
             if self.handle_signals:
                 self._signals.install()
         return self
@@ -337,11 +343,6 @@ class EventBus:
         if self._sidecar is not None:
             self._sidecar.release()  # it drains what it received and exits by itself
         log_close(self.stats())
-
-    def _close_at_exit(self) -> None:
-        if not self._exit_hook:
-            atexit.register(self._at_exit)
-            self._exit_hook = True
 
     def _at_exit(self) -> None:
         if self._state in (_NEW, _RUNNING):

@@ -626,3 +626,37 @@ def test_sys_exit_in_a_subscriber_kills_neither_the_bus_nor_the_writer(tmp_path:
     assert c["failed"] >= 1 and "SystemExit" in (c["error"] or ""), c
     assert c["delivered"] == 0
     assert c["failed"] + c["dropped"] == CULPRIT_N, c  # every event it was sent is accounted for
+
+
+def test_ctrl_c_while_the_bus_starts_closes_what_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C landing as `start()` returned from starting the thread left it running with
+    the bus still "new": its subscribers were never closed (files never finished)."""
+    from eventbus import EventBus
+    from eventbus.core.loop import BusLoop
+    from eventbus.events import Loss
+
+    started = BusLoop.start
+
+    def start_then_ctrl_c(self: BusLoop, timeout: float = 30.0) -> None:
+        started(self, timeout)
+        raise KeyboardInterrupt
+
+    closed: list[int] = []
+
+    class Sink:
+        def on_events(self, batch: list[Loss]) -> None:
+            pass
+
+        def on_close(self) -> None:
+            closed.append(1)
+
+    bus = EventBus()
+    bus.subscribe(Sink())
+    monkeypatch.setattr(BusLoop, "start", start_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        bus.start()
+    assert closed == [1]
+    assert bus.thread is not None and not bus.thread.is_alive()
+    assert not bus.running
+    with pytest.raises(RuntimeError, match="closed"):
+        bus.start()
