@@ -1,7 +1,8 @@
 """How the sidecar ends, driven by the bus's close: a settle (a flush round trip: what its
 subscribers published is back before the answer), each subscriber ended on its own, newest
 first (what one publishes in `on_close` still reaches the older ones, as in the bus), then the
-sidecar's bus closed, and the process let go. Also `flush()` of the sidecar's subscribers.
+sidecar's bus closed, and the process let go. Also `flush()` of the sidecar's subscribers,
+and what a close that gives up on the sidecar counts as never sent.
 """
 
 from __future__ import annotations
@@ -17,17 +18,19 @@ import anyio
 from eventbus.core.subscriber import State
 from eventbus.log import get_logger
 from eventbus.process import wire
-from eventbus.process.errors import RemoteError
+from eventbus.process.errors import RemoteError, RemoteTimeout
 
 if TYPE_CHECKING:
     from eventbus.bus import EventBus
     from eventbus.core.delivery import Delivery
+    from eventbus.events import Event
     from eventbus.process.channel import Channel
     from eventbus.process.remote import Remote
 
 __all__ = ["POLL_S", "Closing"]
 
 POLL_S = 0.05  # how often a waiting caller looks whether the sidecar still lives
+_STALLED = object()  # no answer to a request of the close
 
 
 class Closing:
@@ -38,12 +41,16 @@ class Closing:
     remotes: dict[int, Remote]
     gave_up: str | None
     closing: bool
+    stalled: bool
     hung: tuple[str, ...]
     late: int
     final: bool
     _cond: threading.Condition
     _through: int
     _held: Any
+    _rest: list[Event]
+    _told: set[int]
+    _stale: int | None
     delivery: Delivery
 
     if TYPE_CHECKING:  # the sidecar's own (a stub here would shadow Reports' in the MRO)
@@ -52,6 +59,7 @@ class Closing:
         def abandon(self) -> tuple[str, ...]: ...
         def _remove(self, r: Any) -> None: ...
         def _removed(self, upto: int | None) -> None: ...
+        def _post(self, args: Any) -> bool: ...
 
     async def on_flush(self) -> None:
         """Every sidecar subscriber handled what came before, and ran its `on_flush`; raises
@@ -92,10 +100,9 @@ class Closing:
         """At close, before any subscriber closes: the sidecar's subscribers handle what they
         were sent (within `timeout`), and what they published for it is in our inbox when this
         returns (their status goes before the answer), to reach every subscriber."""
-        if self.gave_up is None and self.remotes:
+        if self.gave_up is None and self.remotes and not self.stalled:
             self._removed(None)
-            with contextlib.suppress(RemoteError):  # dead (counted) or too slow (the close)
-                self.request(wire.FLUSH, timeout, within=timeout)
+            self._ask_closing(wire.FLUSH, timeout, timeout)
 
     def parts(self) -> list[int]:
         """Its subscribers still open, newest first: the bus's close ends them one by one."""
@@ -106,15 +113,26 @@ class Closing:
         """At close: end one subscriber (no later event is its; it drains and closes there)
         within `timeout`; what it published, in `on_close` too, is in our inbox on return."""
         r = self.remotes.get(rid)
-        if r is None or self.gave_up is not None:
-            return
+        if r is None or self.gave_up is not None or self.stalled:
+            return  # stalled: the sidecar's own close ends it, with all the time left
         was = r.state
         self._remove(r)
         self._removed(None)  # everything before was sent (the close drained us first)
         parent = self.bus._loop.stats(self.bus._deliveries)  # final: in-process ones closed
-        with contextlib.suppress(RemoteError):  # dead (counted) or too slow (the close)
-            if self.request(wire.END, (rid, timeout, parent), within=timeout) is None:
-                r.state, r.cut = was, None  # never built there (disabled): nothing to end
+        if self._ask_closing(wire.END, (rid, timeout, parent), timeout) is None:
+            r.state, r.cut = was, None  # never built there (disabled): nothing to end
+
+    def _ask_closing(self, op: bytes, arg: Any, within: float) -> Any:
+        """A request of the close; `_STALLED` if the sidecar is dead (counted) or did not
+        answer in time: its reading is held (a hung lossless subscriber), so the rest of the
+        close goes to its own close, not to more requests it cannot read."""
+        try:
+            return self.request(op, arg, within=within)
+        except RemoteTimeout:
+            self.stalled = True
+        except RemoteError:
+            pass
+        return _STALLED
 
     def on_close(self) -> None:
         """Close the sidecar's bus (its subscribers drain and close), then let it exit."""
@@ -150,3 +168,30 @@ class Closing:
             self.hung += self.abandon()  # it never answered the close: counted, named
         self.chan.stop()
         self.chan.finalizer.detach()
+
+    def _never_sent(self, queued: list[Event]) -> None:
+        """The close gave up on our delivery: what it still held (queued, and a batch waiting
+        for room) is lost for the sidecar subscribers that wanted it, and counted so."""
+        with self._cond:
+            self.closing = True
+            held, self._held = self._held, None
+            rest = self._rest if held is not None else []  # its coroutine ends at the wake
+            if held is not None:
+                self._post((b"", 0, held[2], held[3]))  # closing: counted lost, never sent
+            for r in self.remotes.values():
+                k = sum(map(r.wants, queued))
+                if r.id not in self._told:  # else `_unreachable` counted the batch for it
+                    k += sum(map(r.wants, rest))
+                r.sent, r.lost = r.sent + k, r.lost + k
+
+    def _unreachable(self, batch: list[Event]) -> None:
+        """Events published before a removal the sidecar was told of early (the close ended
+        the subscriber before its queue here drained): they cannot reach it; counted lost."""
+        with self._cond:
+            for r in self.remotes.values():
+                if r.cut is not None and r.remove_at is None:
+                    self._told.add(r.id)
+                    k = sum(map(r.wants, batch))
+                    r.sent, r.lost = r.sent + k, r.lost + k
+            if (batch[-1].seq or 0) >= (self._stale or 0) - 1:
+                self._stale = None

@@ -95,6 +95,7 @@ class Sidecar(Closing, Reports):
         self.hung: tuple[str, ...] = ()  # its subscribers abandoned at close
         self.late = 0  # events its subscribers published in its own close: reached no one
         self.closing = False
+        self.stalled = False  # a request of the close went unanswered: the rest is its close
         self.final = False  # its answer to the close came: every report is in
         self._routes: dict[type, tuple[Remote, ...]] = {}
         self._cut: int | None = None  # the first seq a removed subscriber no longer gets
@@ -298,33 +299,6 @@ class Sidecar(Closing, Reports):
                     if not r.off:
                         r.lost += 1
             return True
-
-    def _never_sent(self, queued: list[Event]) -> None:
-        """The close gave up on our delivery: what it still held (queued, and a batch waiting
-        for room) is lost for the sidecar subscribers that wanted it, and counted so."""
-        with self._cond:
-            self.closing = True
-            held, self._held = self._held, None
-            rest = self._rest if held is not None else []  # its coroutine ends at the wake
-            if held is not None:
-                self._post((b"", 0, held[2], held[3]))  # closing: counted lost, never sent
-            for r in self.remotes.values():
-                k = sum(map(r.wants, queued))
-                if r.id not in self._told:  # else `_unreachable` counted the batch for it
-                    k += sum(map(r.wants, rest))
-                r.sent, r.lost = r.sent + k, r.lost + k
-
-    def _unreachable(self, batch: list[Event]) -> None:
-        """Events published before a removal the sidecar was told of early (the close ended
-        the subscriber before its queue here drained): they cannot reach it; counted lost."""
-        with self._cond:
-            for r in self.remotes.values():
-                if r.cut is not None and r.remove_at is None:
-                    self._told.add(r.id)
-                    k = sum(map(r.wants, batch))
-                    r.sent, r.lost = r.sent + k, r.lost + k
-            if (batch[-1].seq or 0) >= (self._stale or 0) - 1:
-                self._stale = None
 
     def forget_after_fork(self) -> None:
         """In a forked child: close our copy of the socket, never touching the parent's."""
