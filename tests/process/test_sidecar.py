@@ -3,6 +3,7 @@ flushed, closed and checkpointed like any other, surviving its own death."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -10,8 +11,9 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -521,15 +523,16 @@ def test_a_sidecar_that_stops_answering_is_abandoned_at_close_named_and_counted(
     assert h.dropped == 12  # never handled: counted
 
 
-def test_what_our_side_still_holds_for_a_hung_sidecar_at_close_is_its_loss(
-    tmp_path: Path,
-) -> None:
-    """Events still queued here for the sidecar (its window full behind a hung subscriber)
-    when the close gives up: they were counted for no one (12 of 24 "published"), and the
-    close overran its deadline into the "bus loop is blocked" path."""
+@contextlib.contextmanager
+def _reading_held(tmp_path: Path, close_timeout: float) -> Iterator[tuple[EventBus, Any]]:
+    """A bus whose sidecar cannot read: a hung lossless `Gate` (no `hang_timeout`) holds it,
+    and the byte window and our queue for the sidecar fill with 1 MiB events."""
     mib = 1 << 20
     bus = EventBus(
-        drain_interval=0.002, close_timeout=600, hang_timeout=None, queue_max_bytes=4 * mib
+        drain_interval=0.002,
+        close_timeout=close_timeout,
+        hang_timeout=None,
+        queue_max_bytes=4 * mib,
     )
     hung = bus.subscribe(Gate(str(tmp_path / "never")), placement="process", maxsize=1)
     side = bus._sidecar
@@ -540,12 +543,22 @@ def test_what_our_side_still_holds_for_a_hung_sidecar_at_close_is_its_loss(
             bus.publish(BigBlob(step=i, data="x" * mib))
         q = side.delivery
         assert until(lambda: q.queue is not None and len(q.queue) > 0)  # the window is full
-        start = time.monotonic()
-        st = bus.close(timeout=3)
-        took = time.monotonic() - start
+        yield bus, hung
     finally:
         bus.close(timeout=5)
         (tmp_path / "never").write_text("")  # it goes on, drains and exits
+
+
+def test_what_our_side_still_holds_for_a_hung_sidecar_at_close_is_its_loss(
+    tmp_path: Path,
+) -> None:
+    """Events still queued here for the sidecar (its window full behind a hung subscriber)
+    when the close gives up: they were counted for no one (12 of 24 "published"), and the
+    close overran its deadline into the "bus loop is blocked" path."""
+    with _reading_held(tmp_path, close_timeout=600) as (bus, hung):
+        start = time.monotonic()
+        st = bus.close(timeout=3)
+        took = time.monotonic() - start
     h = st[hung.name]  # type: ignore[index]
     assert (h.published, h.dropped, h.delivered, h.queued) == (24, 24, 0, 0)
     assert (losses(st) or {}).get("dropped") == 24
@@ -557,26 +570,11 @@ def test_a_checkpoint_request_a_hung_sidecar_cannot_read_fails_in_time_and_says_
 ) -> None:
     """`bus.state_dict()` asked the sidecar without a deadline: with its reading held by a
     hung lossless subscriber (`hang_timeout=None`), the training thread waited for ever."""
-    mib = 1 << 20
-    bus = EventBus(
-        drain_interval=0.002, close_timeout=1, hang_timeout=None, queue_max_bytes=4 * mib
-    )
-    bus.subscribe(Gate(str(tmp_path / "never")), placement="process", maxsize=1)
-    side = bus._sidecar
-    assert side is not None
-    try:
-        bus.start()
-        for i in range(24):
-            bus.publish(BigBlob(step=i, data="x" * mib))
-        q = side.delivery
-        assert until(lambda: q.queue is not None and len(q.queue) > 0)  # the window is full
+    with _reading_held(tmp_path, close_timeout=1) as (bus, _):
         start = time.monotonic()
         with pytest.raises(RemoteTimeout, match="did not answer a checkpoint request within 2"):
             bus.state_dict()
         assert time.monotonic() - start < 10
-    finally:
-        bus.close(timeout=3)
-        (tmp_path / "never").write_text("")  # it goes on, drains and exits
 
 
 def test_an_answer_that_comes_after_its_checkpoint_request_timed_out_is_not_kept(
