@@ -117,6 +117,7 @@ class Sidecar(Closing, Reports):
         )
         self.delivery.last = True  # closed after every in-process subscriber: it gets theirs
         self.delivery.on_abandon = self._never_sent
+        self.since_ns = time.time_ns()  # a rebuilt sink appends only to files written since
         self.chan = self._launch()  # now: overlapped with the user's set-up
         bus._attach(self.delivery)
         call_after_fork(self.forget_after_fork)
@@ -148,6 +149,7 @@ class Sidecar(Closing, Reports):
             "max_consecutive_failures": b.max_consecutive_failures,
             "max_bytes": min(64 << 20, b.queue_max_bytes),
             "ack_bytes": max(1, min(1 << 20, self.max_bytes_in_flight // 4)),
+            "since_ns": self.since_ns,
         }
 
     # -- subscribing (the caller's thread) -------------------------------------------------

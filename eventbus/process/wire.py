@@ -96,6 +96,7 @@ class StartInfo(TypedDict):
     max_consecutive_failures: int | None
     max_bytes: int  # bound of the sidecar's inbox and of each queue, in bytes of big events
     ack_bytes: int  # acknowledge batches taken in once they add up to this (or at a report)
+    since_ns: int  # when the bus's first sidecar started: a file written since is this run's
 
 
 class AddInfo(TypedDict):

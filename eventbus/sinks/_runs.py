@@ -5,17 +5,20 @@ that is not a resume gets the next free place, `DIR/run-2`, `DIR/run-3`, ... (fo
 file, `NAME.run-2.jsonl`), so TensorBoard and `eventbus summary` see separate runs instead of
 one run with doubled curves. A resume (`resume_from_step`, `load_state_dict`, a first
 `RunStarted(resumed_from_step=...)` or `CheckpointLoaded`, a sink rebuilt after its sidecar
-died) continues the newest run; `overwrite=True` replaces the first.
+died once its earlier copy wrote there) continues the newest run; `overwrite=True` replaces
+the first.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 from eventbus.events import CheckpointLoaded, Event, RunStarted
 
-__all__ = ["RUN_PREFIX", "is_resume", "run_dir", "run_place"]
+__all__ = ["RUN_PREFIX", "is_resume", "rebuilt_on", "run_dir", "run_place"]
 
 RUN_PREFIX = "run-"  # DIR/run-2, DIR/run-3, ...
 
@@ -42,4 +45,19 @@ def is_resume(first: Iterable[Event]) -> bool:
             return True
         if isinstance(ev, RunStarted):
             return ev.resumed_from_step is not None
+    return False
+
+
+def rebuilt_on(bus: Any, files: Iterable[Path]) -> bool:
+    """Whether a sink rebuilt after its sidecar died (`bus.restarted`) goes on with `files`:
+    only if its earlier copy wrote one of them (written since the bus's first sidecar started).
+    A copy that died before it wrote leaves an earlier run's files there: its successor starts
+    as it would have, never appending this run to that one."""
+    since = getattr(bus, "since_ns", None)
+    if not getattr(bus, "restarted", False) or since is None:
+        return False
+    for f in files:
+        with contextlib.suppress(OSError):
+            if f.stat().st_mtime_ns >= since:
+                return True
     return False

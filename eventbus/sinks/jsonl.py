@@ -33,7 +33,7 @@ from eventbus.sinks._files import (
 )
 from eventbus.sinks._jsonl_file import JsonlFile, JsonlWriteError
 from eventbus.sinks._jsonl_records import LineEncoder, header_record, stats_record
-from eventbus.sinks._runs import RUN_PREFIX, is_resume, run_dir, run_place
+from eventbus.sinks._runs import RUN_PREFIX, is_resume, rebuilt_on, run_dir, run_place
 
 __all__ = ["JsonlWriteError", "JsonlWriter", "JsonlWriterStats"]
 
@@ -171,12 +171,12 @@ class JsonlWriter(BuiltFromArguments):
     def on_start(self, bus: BusHandle | None = None) -> None:
         """Open the file for this rank: repair a torn last line, apply a resume, add a header."""
         self._bus = bus
-        restarted = getattr(bus, "restarted", False)
-        if restarted:  # rebuilt after its sidecar died: append to what it wrote
-            self._resume_from, self.overwrite = None, False
         if bus is not None:
             self.rank = bus.rank if self.rank is None else self.rank
             self.world_size = bus.world_size if self.world_size is None else self.world_size
+        restarted = rebuilt_on(bus, [self._place(resume=True)])
+        if restarted:  # rebuilt after its sidecar died: append to what its earlier copy wrote
+            self._resume_from, self.overwrite = None, False
         with self._lock:
             resume = restarted or self._resume_from is not None
             first = self._resolve(self.rank or 0, self.world_size or 1)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -35,7 +35,7 @@ from eventbus.events import (
 )
 from eventbus.log import RateLimiter, get_logger
 from eventbus.sinks._files import BuiltFromArguments, check_ranks, check_writable_dir, made_with
-from eventbus.sinks._runs import is_resume, run_dir, run_place
+from eventbus.sinks._runs import is_resume, rebuilt_on, run_dir, run_place
 from eventbus.sinks._scalars import scalars as _scalars
 from eventbus.sinks._tb_summaries import (
     HParamsRun,
@@ -119,7 +119,8 @@ class TensorBoardSink(BuiltFromArguments):
         """Learn this process's rank (events without one are written as this rank's)."""
         if bus is not None:
             self._bus_rank = bus.rank
-        if getattr(bus, "restarted", False):  # rebuilt after its sidecar died: purge nothing
+        last = run_place(lambda n: run_dir(self.log_dir, n), self._used, resume=True)
+        if rebuilt_on(bus, self._files(last)):  # its sidecar died: append to its run
             self._purge_step, self._restarted = None, True
 
     def on_events(self, batch: list[Event]) -> None:
@@ -184,8 +185,12 @@ class TensorBoardSink(BuiltFromArguments):
 
     def _used(self, d: Path) -> bool:
         """An earlier run wrote this rank's TensorBoard files in run directory `d`."""
+        return any(self._files(d))
+
+    def _files(self, d: Path) -> Iterator[Path]:
+        """This rank's TensorBoard files in run directory `d`."""
         single = self.ranks is not None and len(self.ranks) == 1
-        return any((d if single else d / f"rank{self._bus_rank}").glob("events.out.tfevents.*"))
+        return (d if single else d / f"rank{self._bus_rank}").glob("events.out.tfevents.*")
 
     # -- writing ------------------------------------------------------------------------------
 

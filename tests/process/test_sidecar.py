@@ -343,6 +343,33 @@ def test_after_a_restart_only_the_rebuilt_subscribers_append(
     assert '"step":10' in text
 
 
+@pytest.mark.parametrize("sink", ["jsonl", "tensorboard"])
+def test_a_sink_whose_sidecar_died_before_it_wrote_never_appends_to_an_earlier_run(
+    new_bus: NewBus, tmp_path: Path, sink: str
+) -> None:
+    def make() -> Any:
+        return JsonlWriter(tmp_path) if sink == "jsonl" else TensorBoardSink(tmp_path)
+
+    def files() -> dict[str, int]:
+        return {str(p.relative_to(tmp_path)): p.stat().st_size for p in tmp_path.rglob("*.*")}
+
+    earlier = new_bus()
+    earlier.subscribe(make(), placement="thread")
+    with earlier:
+        earlier.publish(Loss(step=1, value=1.0))
+    before = files()
+    bus = new_bus()
+    bus.subscribe(make())  # in the sidecar, whose death comes before its first events
+    assert until(lambda: bus.stats().sidecar.spawn_s is not None, 30)  # type: ignore[union-attr]
+    os.kill(bus.stats().sidecar.pid, 9)  # type: ignore[union-attr]
+    assert until(lambda: bus.stats().sidecar.restarts == 1, 30)  # type: ignore[union-attr]
+    with bus:
+        bus.publish(Loss(step=100, value=2.0))
+    after = files()
+    assert {k: after[k] for k in before} == before  # the earlier run's files: untouched
+    assert any(k.startswith("run-2") for k in after)  # this run's: a run of its own
+
+
 def test_a_storm_published_in_the_sidecar_is_bounded_and_counted(
     new_bus: NewBus, tmp_path: Path
 ) -> None:
