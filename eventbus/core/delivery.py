@@ -155,9 +155,9 @@ class Delivery:
             # whatever it returns now is not counted; what it finished already was
             self.lost_in_flight = max(0, self.in_flight - self._batch_done)
         self._abandoned = True
-        # routed, then dropped: counted in the queue's `dropped`
-        gone = self.queue.discard() if self.queue is not None else []
+        gone: list[Event] = []
         if self.queue is not None:
+            gone = self.queue.discard()  # routed, then dropped: counted in the queue's `dropped`
             self.queue.close()
         if self.on_abandon is not None:  # the sidecar: it counts them for its subscribers
             self.on_abandon(gone)

@@ -179,10 +179,9 @@ class Closing:
             if held is not None:
                 self._post((b"", 0, held[2], held[3]))  # closing: counted lost, never sent
             for r in self.remotes.values():
-                k = sum(map(r.wants, queued))
+                r.never_reaches(queued)
                 if r.id not in self._told:  # else `_unreachable` counted the batch for it
-                    k += sum(map(r.wants, rest))
-                r.sent, r.lost = r.sent + k, r.lost + k
+                    r.never_reaches(rest)
 
     def _unreachable(self, batch: list[Event]) -> None:
         """Events published before a removal the sidecar was told of early (the close ended
@@ -191,7 +190,6 @@ class Closing:
             for r in self.remotes.values():
                 if r.cut is not None and r.remove_at is None:
                     self._told.add(r.id)
-                    k = sum(map(r.wants, batch))
-                    r.sent, r.lost = r.sent + k, r.lost + k
+                    r.never_reaches(batch)
             if (batch[-1].seq or 0) >= (self._stale or 0) - 1:
                 self._stale = None

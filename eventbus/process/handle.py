@@ -34,7 +34,7 @@ class SidecarHandle:
         self.world_size = info["world_size"]
         self.local_rank = info["local_rank"]
         self.rebuilt: set[str] = set()  # subscribers rebuilt after a death, by name
-        self.since_ns = info["since_ns"]  # the bus's first sidecar started (`written_since`)
+        self.since_ns = info["since_ns"]  # the bus's first sidecar started (`rebuilt_on`)
         self.parent_stats: BusStats | None = None  # sent with the close
         self.host_stats: Callable[[], BusStats] = lambda: BusStats(0, 0, 0, 0, 0.0, 0)
         self._wake = wake

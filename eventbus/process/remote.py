@@ -61,6 +61,12 @@ class Remote:
             return self.state in (State.PENDING, State.RUNNING, State.DISABLED)
         return (ev.seq or 0) < self.cut
 
+    def never_reaches(self, events: list[Event]) -> None:
+        """Of `events`, those it wanted (`wants`) cannot be sent to it any more: counted sent
+        and lost, as `_post` counts a batch the sidecar will never get."""
+        k = sum(map(self.wants, events))
+        self.sent, self.lost = self.sent + k, self.lost + k
+
     def died(self) -> int:
         """Its sidecar died: keep what it reported handled; the rest it was sent is lost."""
         if self.last is not None:
