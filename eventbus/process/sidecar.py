@@ -183,15 +183,18 @@ class Sidecar(Closing, Reports):
                 cut = self._cut
                 self._cut = r.remove_at if cut is None else min(cut, r.remove_at)
 
-    def _removed(self, upto: int | None) -> None:
-        """Removals whose events are all sent (up to seq `upto`; None: all): tell the sidecar."""
+    def _removed(self, upto: int | None, *, ending: int | None = None) -> None:
+        """Removals whose events are all sent (up to seq `upto`; None: all): tell the sidecar.
+        `ending`: that one's END tells it (a REMOVE would close it before the END's counters
+        arrive, and its last stats record would lack the training process's)."""
         with self._cond:
             for r in self.remotes.values():
                 if r.remove_at is not None and (upto is None or r.remove_at <= upto):
                     if upto is None:  # told early (a flush, the close): some may still come
                         self._stale = max(self._stale or 0, r.remove_at)
                     r.remove_at = None
-                    self.chan.post(wire.REMOVE + wire.dumps(r.id))
+                    if r.id != ending:
+                        self.chan.post(wire.REMOVE + wire.dumps(r.id))
             pending = [r.remove_at for r in self.remotes.values() if r.remove_at is not None]
             self._cut = min(pending, default=None)
             self._routes.clear()

@@ -8,10 +8,12 @@ import signal
 import threading
 from pathlib import Path
 
+import orjson
 import pytest
 
-from eventbus import EventBus
+from eventbus import Event, EventBus
 from eventbus.events import Loss
+from eventbus.sinks import JsonlWriter
 from tests.core.helpers import identity, until
 from tests.process.subs import Tally, WhereAmI, steps_in
 
@@ -178,3 +180,28 @@ def test_a_removed_subscriber_whose_sidecar_dies_has_ended(tmp_path: Path) -> No
     s = st[t.name]  # type: ignore[index]
     assert (s.state, s.published, s.delivered + s.dropped) == ("closed", 5, 5)
     assert steps_in(tmp_path / "other") == [5]  # rebuilt after the death: a fresh file
+
+
+def test_a_sidecar_writers_last_stats_record_holds_the_training_processes_counters(
+    tmp_path: Path,
+) -> None:
+    """The close ended a sidecar subscriber with a REMOVE, then an END carrying the parent's
+    final counters; the REMOVE alone closed it there, so in about one close of four the
+    writer's last record lacked every in-process subscriber (here: 3 failures unseen)."""
+
+    def broken(ev: Event) -> None:
+        raise RuntimeError("nope")
+
+    for i in range(8):  # a race: each round lost it about one time in four
+        run = tmp_path / str(i)
+        bus = EventBus(drain_interval=0.002, close_timeout=20)
+        bus.subscribe(JsonlWriter(run), placement="process")
+        bus.subscribe(broken, events=[Loss], policy="block", name="broken")
+        with bus:
+            for s in range(3):
+                bus.publish(Loss(step=s, value=1.0))
+        last = orjson.loads((run / "events.jsonl").read_text().splitlines()[-1])
+        assert last["type"] == "eventbus.stats"
+        subs = last["bus"]["subscribers"]
+        assert subs["broken"]["failed"] == 3, f"round {i}: {sorted(subs)}"
+        assert subs["jsonl"]["delivered"] == 3
