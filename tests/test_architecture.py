@@ -124,6 +124,7 @@ LAYERS: dict[str, str] = {
     "eventbus.sinks.wandb": SUBSCRIBERS,
     "eventbus.monitors": SUBSCRIBERS,
     "eventbus.monitors._divergence_rule": SUBSCRIBERS,
+    "eventbus.monitors._windows": SUBSCRIBERS,
     "eventbus.monitors._leak_rule": SUBSCRIBERS,
     "eventbus.monitors._rank_link": SUBSCRIBERS,
     "eventbus.monitors._rank_monitor": SUBSCRIBERS,

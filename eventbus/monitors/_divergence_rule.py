@@ -8,11 +8,13 @@ The rule and its defaults are explained, with measured results, in docs/divergen
 from __future__ import annotations
 
 import math
+import operator
 from collections import deque
 from dataclasses import dataclass
-from itertools import pairwise
-from statistics import median
+from itertools import islice, pairwise
 from typing import Any
+
+from eventbus.monitors._windows import QuietWindow, SortedWindow, median_of_sorted
 
 __all__ = ["Detection", "DivergenceRule"]
 
@@ -112,10 +114,10 @@ class DivergenceRule:
         self.fast_ratio = fast_ratio
         self.spike_ratio = spike_ratio
         self.once = once
-        self._values: deque[float] = deque(maxlen=window)
+        self._values = SortedWindow(window)
         # Values that were not elevated when they came: the noise and the recent high are
         # measured on these, so an earlier spike or excursion cannot inflate the threshold.
-        self._quiet: deque[float] = deque(maxlen=noise_window + 1)
+        self._quiet = QuietWindow(noise_window + 1)
         self._centers: deque[float] = deque(maxlen=memory)  # recent rolling medians (log)
         self._seen = 0  # finite values seen, for the warmup
         self._scale = 0.0  # largest |value| seen: the run's own unit when values reach <= 0
@@ -161,7 +163,7 @@ class DivergenceRule:
         self._values.append(value)
         if quiet:
             self._quiet.append(value)
-        self._centers.append(median(list(self._values)[-self.window :]))
+        self._centers.append(self._values.median())
         self._seen += 1
         self._scale = max(self._scale, abs(value))
         return detection
@@ -186,7 +188,7 @@ class DivergenceRule:
         why = self._why(baseline)
         if why is None:
             return None
-        rise = f"{math.exp(excess):.3g}x" if baseline.log else f"{excess:.3g} above"
+        rise = _ratio(excess) if baseline.log else f"{excess:.3g} above"
         return self._fire(step, value, baseline.level(), f"{rise} the baseline, {why}")
 
     def _why(self, baseline: _Baseline) -> str | None:
@@ -250,17 +252,15 @@ class DivergenceRule:
         The threshold is the largest of: `sigmas` x step-to-step noise, `min_rise`, and the
         recent high (a smooth metric that wanders back up to where it just was is no news).
         """
-        values = list(self._values)
-        noisy = list(self._quiet)
+        values, noisy = self._values, self._quiet
         if len(values) < 3 or len(noisy) < 3:
             return None
         level = min(self._centers)
-        if min(values) > 0 and min(noisy) > 0 and level > 0:
-            logs = [math.log(v) for v in noisy]
-            noise, floor = (
-                _noise(logs, self.noise_window),
-                max(math.log1p(self.min_rise), _high(logs) - math.log(level)),
-            )
+        if values.sorted[0] > 0 and noisy.sorted[0] > 0 and level > 0:
+            # log is monotonic: the high of the logs is the log of the high
+            high = math.log(_high(noisy.sorted))
+            noise = _noise(noisy.log_diffs, len(noisy), self.noise_window)
+            floor = max(math.log1p(self.min_rise), high - math.log(level))
             return _Baseline(
                 True,
                 math.log(level),
@@ -270,7 +270,10 @@ class DivergenceRule:
         # A value <= 0 rules out ratios: measure raw differences instead, floored relative
         # to the level or, when that is 0, to the largest value the run has logged.
         floor = self.min_rise * (abs(level) or self._scale)
-        noise, floor = _noise(noisy, self.noise_window), max(floor, _high(noisy) - level)
+        raw = noisy.values
+        diffs = sorted(map(operator.sub, islice(raw, 1, None), raw))  # b - a, in C
+        noise = _noise(diffs, len(noisy), self.noise_window)
+        floor = max(floor, _high(noisy.sorted) - level)
         return _Baseline(
             False, level, max(self.sigmas * noise, floor), max(self.long_sigmas * noise, floor)
         )
@@ -280,8 +283,8 @@ class DivergenceRule:
         frozen = self._frozen
         return {
             "version": _STATE_VERSION,
-            "values": list(self._values),
-            "quiet": list(self._quiet),
+            "values": list(self._values.values),
+            "quiet": list(self._quiet.values),
             "centers": list(self._centers),
             "seen": self._seen,
             "scale": self._scale,
@@ -301,10 +304,8 @@ class DivergenceRule:
                 f"reads {_STATE_VERSION}): start the detector without it, it re-learns its "
                 "baseline after the warmup"
             )
-        self._values.clear()
-        self._values.extend(float(v) for v in state["values"])
-        self._quiet.clear()
-        self._quiet.extend(float(v) for v in state["quiet"])
+        self._values.fill(float(v) for v in state["values"])
+        self._quiet.fill(float(v) for v in state["quiet"])
         self._centers.clear()
         self._centers.extend(float(v) for v in state["centers"])
         self._seen = int(state["seen"])
@@ -320,6 +321,11 @@ class DivergenceRule:
         self._armed = bool(state["armed"])
 
 
+def _ratio(log_excess: float) -> str:
+    """A ratio in words, from its log (past a float's range: e to the power)."""
+    return f"{math.exp(log_excess):.3g}x" if log_excess < 709 else f"e^{log_excess:.4g}x"
+
+
 def _peak(excesses: list[float]) -> float:
     """The larger of the smaller of each two consecutive excesses: a 2-step peak's height."""
     return max((min(a, b) for a, b in pairwise(excesses)), default=-math.inf)
@@ -330,20 +336,21 @@ def _holds(excesses: list[float], hold: float) -> bool:
     return min(excesses) >= hold * max(excesses)
 
 
-def _noise(values: list[float], full: int) -> float:
+def _noise(diffs: list[float], count: int, full: int) -> float:
     """Robust standard deviation of one value's noise, from successive differences.
 
     Differences cancel a trend (the fast early fall of a loss), and the median absolute
     deviation ignores the few large jumps a spike makes. Measured on fewer than `full`
     values (early in a run) the estimate is itself noisy and often far too low: it is
     widened by sqrt(full / count), so 3 sigma from 12 values counts as about 6 sigma.
+    `diffs`: the successive differences of `count` values, sorted.
     """
-    diffs = [b - a for a, b in pairwise(values)]
-    mid = median(diffs)
-    widen = max(1.0, math.sqrt(full / len(values)))
-    return widen * _MAD_TO_SIGMA * median(abs(d - mid) for d in diffs)
+    mid = median_of_sorted(diffs)
+    widen = max(1.0, math.sqrt(full / count))
+    deviations = sorted(map(abs, map(mid.__rsub__, diffs)))  # |d - mid|, in C
+    return widen * _MAD_TO_SIGMA * median_of_sorted(deviations)
 
 
-def _high(values: list[float]) -> float:
-    """The third largest of `values`: the recent high, ignoring a two-step spike."""
-    return sorted(values)[-3] if len(values) >= 3 else max(values)
+def _high(ascending: list[float]) -> float:
+    """The third largest of >= 3 sorted values: the recent high, ignoring a two-step spike."""
+    return ascending[-3]

@@ -438,3 +438,13 @@ def test_bad_parameters_raise(kwargs: dict[str, Any]) -> None:
 )
 def test_fresh_set_within_budget_of_sustained_departure() -> None:
     _within_budget(_delays([r for r in DIVERGING if r["set"] == "fresh"], "departure_s15"))
+
+
+def test_a_rise_past_a_floats_range_is_reported_not_raised() -> None:
+    """A ratio above e^709 overflowed `math.exp` while wording the reason: the rule raised
+    OverflowError (the detector failed) instead of reporting the divergence."""
+    r = DivergenceRule()
+    for i in range(30):
+        assert r.update(i, 1e-300 * (1 + 0.01 * (i % 3))) is None
+    got = [d for i in range(30, 33) if (d := r.update(i, 1e300)) is not None]
+    assert len(got) == 1 and got[0].reason.startswith("e^1382x the baseline")
