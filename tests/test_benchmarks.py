@@ -331,3 +331,19 @@ def test_ranks_cost_tiny_run() -> None:
     assert out["ranks_cost.steps_per_variant"] == 10
     _positive_numbers(out, ["ranks_cost.bus_p50_ms", "ranks_cost.ranks_p50_ms"])
     assert out["ranks_cost.reduced"] == out["ranks_cost.reduced_expected"] == 30
+
+
+def test_monitor_cost_runs_what_it_times() -> None:
+    """`profiler_step_us` timed the coroutine `on_events` returns, never run: a constant."""
+    from benchmarks import monitor_cost
+
+    ran: list[int] = []
+
+    async def handler() -> None:
+        ran.append(1)
+
+    monitor_cost._ran(handler())
+    assert ran == [1]
+    out = monitor_cost.run(20)["results"]
+    for key in ("profiler_step_us", "speed_update_us", "divergence_step_us"):
+        assert out[key]["p50"] > 0, key
