@@ -101,12 +101,17 @@ class SubscriberQueue:
         return self._put_slow(ev, nbytes, force)
 
     def fits(self, k: int) -> bool:
-        """Whether `k` more small events fit now without waiting or dropping (a FIFO, open)."""
-        return len(self._fifo) + k <= self._fast_below
+        """Whether `k` more small events can be put now without waiting or dropping beyond
+        the policy: room in an open FIFO, or an open `latest` queue (it keeps the newest)."""
+        return len(self._fifo) + k <= self._fast_below or not (self._is_fifo or self._closed)
 
     def put_all(self, evs: list[Event]) -> None:
         """Enqueue small events, in order: the router's run of plain events, which it puts
         only where `fits(len(evs))` (so a bound is never passed, and nothing is refused)."""
+        if not self._is_fifo:
+            for ev in evs:
+                self._put_latest(ev, 0)
+            return
         fifo = self._fifo
         if not fifo and evs:  # the consumer waits only on an empty queue: wake it once
             self._readable.set()

@@ -176,11 +176,17 @@ class Router:
 
     def _route_run(self, items: deque[Any], n: int) -> bool:
         """Route the next `n` items at once when all are small events (no control item, no
-        captured or big one, no run boundary) and every queue they go to has room: C maps
-        over the run, no bytecode per event. False: nothing taken; route one at a time."""
+        big one, no run boundary; captured ones whose copies are done) and every queue they
+        go to takes them without waiting: C maps over the run, no bytecode per event but for
+        resolving captures. False: nothing taken; route one at a time."""
         head = list(islice(items, n))  # a copy: publishers only append meanwhile
         if len(head) < n:  # the closer took some (an abandoned loop): one at a time
             return False
+        boxes = [e for e in head if type(e) is Boxed]
+        if boxes:
+            if any(b.nbytes or not b.captured for b in boxes):
+                return False  # a big one: its bytes leave the inbox's count one at a time
+            head = [e.ev if type(e) is Boxed else e for e in head]
         kinds = set(map(type, head))
         if not kinds.isdisjoint(_ONE_AT_A_TIME):
             return False
@@ -195,8 +201,14 @@ class Router:
                 evs = list(compress(head, map(mine.__contains__, map(type, head))))
             q = d.queue
             if q is None or not q.fits(len(evs)):
-                return False  # a full (or non-FIFO) queue: one at a time, waiting as needed
+                return False  # a full queue: one at a time, waiting as needed
             plan.append((d, q, evs))
+        if boxes:  # tensors captured at publish: resolved here, as one at a time would
+            pending = [p for b in boxes for p in pending_of(b.ev)]
+            if not all(p.ready() for p in pending):  # query() on a CUDA event: never waits
+                return False  # a device->host copy in flight: waited for one at a time
+            for b in boxes:
+                resolve(b.ev)
         deque(map(call, repeat(items.popleft, n)), maxlen=0)  # take them: `head`, in order
         self.routed += n
         for d, q, evs in plan:

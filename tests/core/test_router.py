@@ -7,6 +7,7 @@ from collections import deque
 from typing import Any
 
 import pytest
+import torch
 
 from eventbus import Event, EventBus
 from eventbus.core import router as router_module
@@ -144,6 +145,69 @@ def test_a_run_reaches_each_subscriber_its_share_in_order(monkeypatch: pytest.Mo
     assert st.subscribers["all"].published == st.subscribers["all"].delivered == 500
     assert st.subscribers["losses"].published == len(losses.got)
     identity(st)
+
+
+def _spy_runs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
+    runs: list[tuple[int, bool]] = []
+    real = router_module.Router._route_run
+
+    def spy(self: router_module.Router, items: deque[Any], n: int) -> bool:
+        done = real(self, items, n)
+        runs.append((n, done))
+        return done
+
+    monkeypatch.setattr(router_module.Router, "_route_run", spy)
+    return runs
+
+
+def test_a_run_of_tensor_events_is_resolved_and_routed_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A loop that publishes its loss as a tensor: every such event was routed one at a
+    time (its capture boxed it), a Python loop over each subscriber per event. Captures
+    whose copies are done are resolved and the run goes at once; values arrive as numbers."""
+    runs = _spy_runs(monkeypatch)
+    rec, losses = Recorder(), Recorder(events=[Loss])
+    bus = EventBus(drain_interval=30, cost_every=None)
+    bus.subscribe(rec, name="all")
+    bus.subscribe(losses, name="losses")
+    with bus:
+        assert bus.flush()
+        for i in range(300):
+            if i % 2:
+                bus.publish(Loss(step=i, value=torch.tensor(float(i))))
+            else:
+                bus.publish(StepEnded(step=i, duration_s=0.1))
+    assert (300, True) in runs
+    assert [e.step for e in rec.got] == list(range(300))
+    assert [e.value for e in losses.got] == [float(i) for i in range(1, 300, 2)]
+    assert all(type(e.value) is float for e in losses.got)
+    identity(bus.stats())
+
+
+def test_a_run_reaches_a_latest_subscriber_which_keeps_the_newest_per_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A `latest` subscriber (a slow dashboard) made every run go one at a time; it takes
+    the run now, superseding older events of a key as it would one by one."""
+    runs = _spy_runs(monkeypatch)
+    everything = Recorder()
+    newest = Recorder()
+    newest.policy = "latest"
+    bus = EventBus(drain_interval=30, cost_every=None)
+    bus.subscribe(everything, name="all")
+    bus.subscribe(newest, name="newest")
+    evs = _mixed(400)
+    with bus:
+        assert bus.flush()
+        for ev in evs:
+            bus.publish(ev)
+    assert (400, True) in runs
+    assert everything.got == evs
+    assert newest.got == [evs[-2], evs[-1]]  # the newest Loss, the newest Scalars
+    st = bus.stats().subscribers["newest"]
+    assert (st.published, st.delivered, st.dropped) == (400, 2, 398)
+    identity(bus.stats())
 
 
 def test_a_queue_without_room_for_the_run_gets_it_one_at_a_time() -> None:
