@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import orjson
@@ -15,7 +16,7 @@ from eventbus import Event, EventBus
 from eventbus.events import Loss
 from eventbus.sinks import JsonlWriter
 from tests.core.helpers import identity, until
-from tests.process.subs import Tally, WhereAmI, steps_in
+from tests.process.subs import LateEnd, Tally, WhereAmI, steps_in
 
 
 def test_what_an_older_one_publishes_at_close_is_not_charged_to_a_newer_one_ended_before(
@@ -205,3 +206,37 @@ def test_a_sidecar_writers_last_stats_record_holds_the_training_processes_counte
         subs = last["bus"]["subscribers"]
         assert subs["broken"]["failed"] == 3, f"round {i}: {sorted(subs)}"
         assert subs["jsonl"]["delivered"] == 3
+
+
+def test_a_subscriber_ended_at_close_gets_nothing_published_after_its_end(
+    tmp_path: Path,
+) -> None:
+    """The END alone ends a subscriber there, on a thread of its own: batches the sidecar read
+    after the END, before that thread ran, still reached the ended one, which was then
+    counted more delivered than it was sent (the REMOVE had taken it in order, on the
+    reading thread)."""
+    bus = EventBus(drain_interval=0.002, close_timeout=20)
+    older = bus.subscribe(Tally(str(tmp_path / "a")), placement="process")
+    newer = bus.subscribe(LateEnd(str(tmp_path / "b")), placement="process")  # ended first
+    bus.start()
+    for i in range(5):
+        bus.publish(Loss(step=i, value=1.0))
+    assert bus.flush(10)
+
+    def publish() -> None:  # another thread goes on publishing while the bus closes
+        step = 100
+        while bus.running:
+            bus.publish(Loss(step=step, value=1.0))
+            step += 1
+            time.sleep(0.002)
+
+    t = threading.Thread(target=publish)
+    t.start()
+    st = bus.close()
+    t.join()
+    identity(st)
+    n = st[newer.name]  # type: ignore[index]
+    assert n.state == "closed"
+    assert len(steps_in(tmp_path / "b")) == n.delivered == n.published - n.dropped
+    assert st[older.name].state == "closed"  # type: ignore[index]
+
