@@ -4,16 +4,19 @@ what was published to it (before its end or removal), never for what came after.
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
 
 from eventbus import Event, EventBus
 from eventbus.events import Loss
+from eventbus.process import wire
 from eventbus.sinks import JsonlWriter
 from tests.core.helpers import identity, until
 from tests.process.subs import LateEnd, Tally, WhereAmI, steps_in
@@ -240,3 +243,38 @@ def test_a_subscriber_ended_at_close_gets_nothing_published_after_its_end(
     assert len(steps_in(tmp_path / "b")) == n.delivered == n.published - n.dropped
     assert st[older.name].state == "closed"  # type: ignore[index]
 
+
+def test_a_removal_told_while_the_close_ends_a_subscriber_sends_it_no_remove(
+    tmp_path: Path,
+) -> None:
+    """The close marks the subscriber removed, then tells removals skipping it (its END ends
+    it). A flush or a batch telling removals in between (on the bus loop) sent it a REMOVE
+    anyway: it closed before the END's counters came, as before the END alone ended it."""
+    bus = EventBus(drain_interval=0.002, close_timeout=20)
+    t = bus.subscribe(Tally(str(tmp_path / "t")), placement="process")
+    side = bus._sidecar
+    assert side is not None
+    removes: list[int] = []
+    post, remove = side.chan.post, side._remove
+
+    def spy(data: bytes | None) -> None:
+        if data is not None and data[:1] == wire.REMOVE:
+            removes.append(pickle.loads(data[1:]))
+        post(data)
+
+    def racing(r: Any) -> None:  # only the close removes here: a flush tells removals now
+        remove(r)
+        other = threading.Thread(target=side._removed, args=(1 << 40,))
+        other.start()
+        other.join(0.5)
+
+    side.chan.post = spy  # type: ignore[method-assign]
+    side._remove = racing  # type: ignore[method-assign]
+    with bus:
+        for i in range(5):
+            bus.publish(Loss(step=i, value=1.0))
+    st = bus.stats()
+    identity(st)
+    assert removes == []
+    s = st[t.name]  # type: ignore[index]
+    assert (s.state, s.published, s.delivered) == ("closed", 5, 5)
