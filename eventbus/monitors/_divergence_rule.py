@@ -271,8 +271,10 @@ class DivergenceRule:
         # to the level or, when that is 0, to the largest value the run has logged.
         floor = self.min_rise * (abs(level) or self._scale)
         raw = noisy.values
-        diffs = sorted(map(operator.sub, islice(raw, 1, None), raw))  # b - a, in C
-        noise = _noise(diffs, len(noisy), self.noise_window)
+        steps = list(map(operator.sub, islice(raw, 1, None), raw))  # b - a, in C
+        # Deviations from `steps` in arrival order: near the float range they hold nan
+        # (inf - inf), and sorting a list with nan depends on its order (as the rule has).
+        noise = _noise(sorted(steps), len(noisy), self.noise_window, steps)
         floor = max(floor, _high(noisy.sorted) - level)
         return _Baseline(
             False, level, max(self.sigmas * noise, floor), max(self.long_sigmas * noise, floor)
@@ -322,8 +324,11 @@ class DivergenceRule:
 
 
 def _ratio(log_excess: float) -> str:
-    """A ratio in words, from its log (past a float's range: e to the power)."""
-    return f"{math.exp(log_excess):.3g}x" if log_excess < 709 else f"e^{log_excess:.4g}x"
+    """A ratio in words, from its log (past a float's range, ~e^709.78: e to the power)."""
+    try:
+        return f"{math.exp(log_excess):.3g}x"
+    except OverflowError:
+        return f"e^{log_excess:.4g}x"
 
 
 def _peak(excesses: list[float]) -> float:
@@ -336,18 +341,20 @@ def _holds(excesses: list[float], hold: float) -> bool:
     return min(excesses) >= hold * max(excesses)
 
 
-def _noise(diffs: list[float], count: int, full: int) -> float:
+def _noise(diffs: list[float], count: int, full: int, arrival: list[float] | None = None) -> float:
     """Robust standard deviation of one value's noise, from successive differences.
 
     Differences cancel a trend (the fast early fall of a loss), and the median absolute
     deviation ignores the few large jumps a spike makes. Measured on fewer than `full`
     values (early in a run) the estimate is itself noisy and often far too low: it is
     widened by sqrt(full / count), so 3 sigma from 12 values counts as about 6 sigma.
-    `diffs`: the successive differences of `count` values, sorted.
+    `diffs`: the successive differences of `count` values, sorted; `arrival`: the same in
+    arrival order, where they may be infinite (the deviations are then taken from it).
     """
     mid = median_of_sorted(diffs)
     widen = max(1.0, math.sqrt(full / count))
-    deviations = sorted(map(abs, map(mid.__rsub__, diffs)))  # |d - mid|, in C
+    ordered = diffs if arrival is None else arrival
+    deviations = sorted(map(abs, map(mid.__rsub__, ordered)))  # |d - mid|, in C
     return widen * _MAD_TO_SIGMA * median_of_sorted(deviations)
 
 

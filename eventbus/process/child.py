@@ -121,6 +121,15 @@ class Host:
             if sub is not None:
                 sub.remove()
                 self.removed[rid] = sub
+        elif op == wire.END:  # the removal here, in order with the batches; the wait aside
+            req, (rid, timeout, parent) = pickle.loads(payload)
+            sub = self._ending(rid, parent)
+            threading.Thread(
+                target=self._request,
+                args=(op, req, (sub, timeout)),
+                name="eventbus-sidecar-ask",
+                daemon=True,
+            ).start()
         elif op == wire.CLOSE:
             req, (timeout, self.handle.parent_stats) = pickle.loads(payload)
             self.handle.closing = True  # each subscriber was ended already, unless out of time
@@ -185,16 +194,23 @@ class Host:
             return
         self._reply(req, None, value)
 
-    def _end(self, rid: int, timeout: float, parent: BusStats) -> bool | None:
-        """Remove one subscriber and wait (up to `timeout`) until it drained and closed: what it
-        published in its `on_close` goes to the parent with the answer, to reach the others.
-        `parent`: the training process's counters, final (a writer's last stats record).
-        None: not here (never built)."""
+    def _ending(self, rid: int, parent: BusStats) -> Subscription | None:
+        """On the reading thread, as END is read: remove one subscriber, in order with the
+        batches (none read after the END reaches it: the parent no longer sends it any).
+        `parent`: the training process's counters, final, set before the removal (a writer's
+        last stats record, at its close). None: not here (never built)."""
         self.handle.parent_stats = parent
         sub = self.subs.pop(rid, None) or self.removed.pop(rid, None)
+        if sub is not None:
+            sub.remove()
+        return sub
+
+    def _end(self, sub: Subscription | None, timeout: float) -> bool | None:
+        """Wait (up to `timeout`) until an ended subscriber drained and closed: what it
+        published in its `on_close` goes to the parent with the answer, to reach the others.
+        None: not here (never built)."""
         if sub is None:
             return None
-        sub.remove()
         deadline = time.monotonic() + timeout
         while not sub.closed:
             if time.monotonic() >= deadline:

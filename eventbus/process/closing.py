@@ -116,8 +116,9 @@ class Closing:
         if r is None or self.gave_up is not None or self.stalled:
             return  # stalled: the sidecar's own close ends it, with all the time left
         was = r.state
-        self._remove(r)
-        self._removed(None, ending=rid)  # everything before was sent (the close drained us)
+        with self._cond:  # at once: a flush or a batch telling removals between (on the bus
+            self._remove(r)  # loop) would send it a REMOVE, closing it before the END's counters
+            self._removed(None, ending=rid)  # all before was sent (the close drained us)
         parent = self.bus._loop.stats(self.bus._deliveries)  # final: in-process ones closed
         if self._ask_closing(wire.END, (rid, timeout, parent), timeout) is None:
             r.state, r.cut = was, None  # never built there (disabled): nothing to end

@@ -448,3 +448,26 @@ def test_a_rise_past_a_floats_range_is_reported_not_raised() -> None:
         assert r.update(i, 1e-300 * (1 + 0.01 * (i % 3))) is None
     got = [d for i in range(30, 33) if (d := r.update(i, 1e300)) is not None]
     assert len(got) == 1 and got[0].reason.startswith("e^1382x the baseline")
+
+
+def test_a_ratio_just_under_a_floats_range_is_worded_as_before() -> None:
+    """e^709.5 is still a float (math.exp overflows past ~709.78): the reason said "e^709.5x"
+    where the rule always said "1.35e+308x", so a Detection differed from the old rule's."""
+    r = DivergenceRule(warmup=0, window=3, noise_window=3, persist=1)
+    for i in range(5):
+        assert r.update(i, 1.0) is None
+    d = r.update(5, math.exp(709.5))
+    assert d is not None and d.reason.startswith("1.35e+308x the baseline")
+
+
+def test_overflowing_differences_leave_the_rule_able_to_detect_later() -> None:
+    """Values near the float range (with one <= 0, so differences) make the noise's median
+    infinite: its deviations are inf - inf = nan and inf, and their median depends on the
+    order they are sorted from. Taken from the already sorted differences it was nan (the old
+    rule's arrival order gave inf): a nan threshold froze a baseline no excursion ever left,
+    and the rule never fired again (the ramp below went unreported)."""
+    r = DivergenceRule(warmup=4, window=3, noise_window=3)
+    values = [-1e308, 1e308, -1e308, 1e308] + [1.0] * 30 + [100.0 * 2**k for k in range(10)]
+    got = [(i, d) for i, v in enumerate(values) if (d := r.update(i, v)) is not None]
+    assert [i for i, _ in got] == [35]
+    assert got[0][1].reason == "200x the baseline, for 2 steps"

@@ -4,18 +4,22 @@ what was published to it (before its end or removal), never for what came after.
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
 
 from eventbus import Event, EventBus
 from eventbus.events import Loss
+from eventbus.process import wire
 from eventbus.sinks import JsonlWriter
 from tests.core.helpers import identity, until
-from tests.process.subs import Tally, WhereAmI, steps_in
+from tests.process.subs import LateEnd, Tally, WhereAmI, steps_in
 
 
 def test_what_an_older_one_publishes_at_close_is_not_charged_to_a_newer_one_ended_before(
@@ -205,3 +209,72 @@ def test_a_sidecar_writers_last_stats_record_holds_the_training_processes_counte
         subs = last["bus"]["subscribers"]
         assert subs["broken"]["failed"] == 3, f"round {i}: {sorted(subs)}"
         assert subs["jsonl"]["delivered"] == 3
+
+
+def test_a_subscriber_ended_at_close_gets_nothing_published_after_its_end(
+    tmp_path: Path,
+) -> None:
+    """The END alone ends a subscriber there, on a thread of its own: batches the sidecar read
+    after the END, before that thread ran, still reached the ended one, which was then
+    counted more delivered than it was sent (the REMOVE had taken it in order, on the
+    reading thread)."""
+    bus = EventBus(drain_interval=0.002, close_timeout=20)
+    older = bus.subscribe(Tally(str(tmp_path / "a")), placement="process")
+    newer = bus.subscribe(LateEnd(str(tmp_path / "b")), placement="process")  # ended first
+    bus.start()
+    for i in range(5):
+        bus.publish(Loss(step=i, value=1.0))
+    assert bus.flush(10)
+
+    def publish() -> None:  # another thread goes on publishing while the bus closes
+        step = 100
+        while bus.running:
+            bus.publish(Loss(step=step, value=1.0))
+            step += 1
+            time.sleep(0.002)
+
+    t = threading.Thread(target=publish)
+    t.start()
+    st = bus.close()
+    t.join()
+    identity(st)
+    n = st[newer.name]  # type: ignore[index]
+    assert n.state == "closed"
+    assert len(steps_in(tmp_path / "b")) == n.delivered == n.published - n.dropped
+    assert st[older.name].state == "closed"  # type: ignore[index]
+
+
+def test_a_removal_told_while_the_close_ends_a_subscriber_sends_it_no_remove(
+    tmp_path: Path,
+) -> None:
+    """The close marks the subscriber removed, then tells removals skipping it (its END ends
+    it). A flush or a batch telling removals in between (on the bus loop) sent it a REMOVE
+    anyway: it closed before the END's counters came, as before the END alone ended it."""
+    bus = EventBus(drain_interval=0.002, close_timeout=20)
+    t = bus.subscribe(Tally(str(tmp_path / "t")), placement="process")
+    side = bus._sidecar
+    assert side is not None
+    removes: list[int] = []
+    post, remove = side.chan.post, side._remove
+
+    def spy(data: bytes | None) -> None:
+        if data is not None and data[:1] == wire.REMOVE:
+            removes.append(pickle.loads(data[1:]))
+        post(data)
+
+    def racing(r: Any) -> None:  # only the close removes here: a flush tells removals now
+        remove(r)
+        other = threading.Thread(target=side._removed, args=(1 << 40,))
+        other.start()
+        other.join(0.5)
+
+    side.chan.post = spy  # type: ignore[method-assign]
+    side._remove = racing  # type: ignore[method-assign]
+    with bus:
+        for i in range(5):
+            bus.publish(Loss(step=i, value=1.0))
+    st = bus.stats()
+    identity(st)
+    assert removes == []
+    s = st[t.name]  # type: ignore[index]
+    assert (s.state, s.published, s.delivered) == ("closed", 5, 5)
