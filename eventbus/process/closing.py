@@ -120,8 +120,9 @@ class Closing:
             self._remove(r)  # loop) would send it a REMOVE, closing it before the END's counters
             self._removed(None, ending=rid)  # all before was sent (the close drained us)
         parent = self.bus._loop.stats(self.bus._deliveries)  # final: in-process ones closed
-        if self._ask_closing(wire.END, (rid, timeout, parent), timeout) is None:
-            r.state, r.cut = was, None  # never built there (disabled): nothing to end
+        answer = self._ask_closing(wire.END, (rid, timeout, parent), timeout)
+        if answer is None and r.state is State.REMOVED:  # not ended meanwhile (its sidecar
+            r.state, r.cut = was, None  # died: not rebuilt); never built there: nothing to end
 
     def _ask_closing(self, op: bytes, arg: Any, within: float) -> Any:
         """A request of the close; `_STALLED` if the sidecar is dead (counted) or did not
