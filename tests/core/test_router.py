@@ -115,10 +115,7 @@ def _mixed(n: int) -> list[Event]:
     ]
 
 
-def test_a_run_reaches_each_subscriber_its_share_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    """500 events waiting at once (the loop asleep: a long drain interval) are one run,
-    routed without a per-event loop: each subscriber gets exactly the types it takes, in
-    order, counted once."""
+def _spy_runs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
     runs: list[tuple[int, bool]] = []
     real = router_module.Router._route_run
 
@@ -128,6 +125,14 @@ def test_a_run_reaches_each_subscriber_its_share_in_order(monkeypatch: pytest.Mo
         return done
 
     monkeypatch.setattr(router_module.Router, "_route_run", spy)
+    return runs
+
+
+def test_a_run_reaches_each_subscriber_its_share_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """500 events waiting at once (the loop asleep: a long drain interval) are one run,
+    routed without a per-event loop: each subscriber gets exactly the types it takes, in
+    order, counted once."""
+    runs = _spy_runs(monkeypatch)
     everything, losses, scalars = Recorder(), Recorder(events=[Loss]), Recorder(events=[Scalars])
     bus = EventBus(drain_interval=30, cost_every=None)
     for name, sub in (("all", everything), ("losses", losses), ("scalars", scalars)):
@@ -145,19 +150,6 @@ def test_a_run_reaches_each_subscriber_its_share_in_order(monkeypatch: pytest.Mo
     assert st.subscribers["all"].published == st.subscribers["all"].delivered == 500
     assert st.subscribers["losses"].published == len(losses.got)
     identity(st)
-
-
-def _spy_runs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
-    runs: list[tuple[int, bool]] = []
-    real = router_module.Router._route_run
-
-    def spy(self: router_module.Router, items: deque[Any], n: int) -> bool:
-        done = real(self, items, n)
-        runs.append((n, done))
-        return done
-
-    monkeypatch.setattr(router_module.Router, "_route_run", spy)
-    return runs
 
 
 def test_a_run_of_tensor_events_is_resolved_and_routed_at_once(
