@@ -107,7 +107,12 @@ class SubscriberQueue:
 
     def put_all(self, evs: list[Event]) -> None:
         """Enqueue small events, in order: the router's run of plain events, which it puts
-        only where `fits(len(evs))` (so a bound is never passed, and nothing is refused)."""
+        only where `fits(len(evs))` (so a bound is never passed, and nothing is refused).
+        Closed since (the router read captures or ran a key function meanwhile, and the bus
+        gave up on this subscriber): dropped, counted, as `put_nowait` would."""
+        if self._closed:
+            self.dropped += len(evs)
+            return
         if not self._is_fifo:
             for ev in evs:
                 self._put_latest(ev, 0)

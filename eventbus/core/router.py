@@ -203,16 +203,18 @@ class Router:
             if q is None or not q.fits(len(evs)):
                 return False  # a full queue: one at a time, waiting as needed
             plan.append((d, q, evs))
-        if boxes:  # tensors captured at publish: resolved here, as one at a time would
-            pending = [p for b in boxes for p in pending_of(b.ev)]
-            if not all(p.ready() for p in pending):  # query() on a CUDA event: never waits
-                return False  # a device->host copy in flight: waited for one at a time
-            for b in boxes:
-                resolve(b.ev)
+        # Tensors captured at publish: are their copies done? (query() on a CUDA event)
+        if boxes and not all(p.ready() for b in boxes for p in pending_of(b.ev)):
+            return False  # a device->host copy in flight: waited for one at a time
         deque(map(call, repeat(items.popleft, n)), maxlen=0)  # take them: `head`, in order
         self.routed += n
+        # Read the captures only now that the run left the inbox, as one at a time does:
+        # reading can hold the loop (an xla/mps host copy, a log handler) and a close that
+        # gives up on it takes what the inbox holds, counted lost.
+        for b in boxes:
+            resolve(b.ev)
         for d, q, evs in plan:
-            q.put_all(evs)  # fits: checked above, and nothing ran since (no await)
+            q.put_all(evs)  # fits was checked above; a queue closed since drops them, counted
             d.routed += len(evs)
         return True
 

@@ -89,6 +89,24 @@ def test_close_refuses_and_counts_discard_counts() -> None:
     anyio.run(main)
 
 
+@pytest.mark.parametrize("policy", ["block", "drop_oldest", "latest"])
+def test_a_run_put_after_close_is_dropped_and_counted(policy: str) -> None:
+    """The router checks `fits` and then may run user code (reading captures, key functions)
+    before `put_all`; a queue the bus closed meanwhile counts the run dropped, as `put_nowait`
+    would, never holds it queued for a subscriber given up on."""
+
+    async def main() -> None:
+        q = SubscriberQueue(policy, 10)
+        assert q.fits(3)
+        q.close()
+        assert not q.fits(3)
+        q.put_all([_ev(i) for i in range(3)])
+        st = q.statistics()
+        assert (st.queued, st.dropped) == (0, 3)
+
+    anyio.run(main)
+
+
 def test_an_unknown_policy_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="policy must be one of"):
         SubscriberQueue("fifo", 10)

@@ -202,6 +202,54 @@ def test_a_run_reaches_a_latest_subscriber_which_keeps_the_newest_per_key(
     identity(bus.stats())
 
 
+@pytest.mark.timeout(30)
+def test_a_run_abandoned_while_its_captures_are_read_does_not_crash_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Reading a capture can hold the loop (an xla/mps tensor is copied to the host there).
+    A close that gives up on the blocked loop counts what the inbox holds as lost; the run
+    must already have taken its events, as one at a time does: when the loop comes back it
+    found them gone (IndexError: the bus thread crashed) and counted them twice."""
+    import threading
+
+    from eventbus.capture import Pending
+
+    runs = _spy_runs(monkeypatch)
+    release, reading = threading.Event(), threading.Event()
+
+    class Xla:
+        type = "xla"
+
+    class Buf:  # a device tensor whose host copy the bus thread makes: it waits here
+        device = Xla()
+
+        def cpu(self) -> torch.Tensor:
+            reading.set()
+            release.wait(10)
+            return torch.tensor(0.0)
+
+    rec = Recorder()
+    bus = EventBus(drain_interval=30, cost_every=None)
+    bus.subscribe(rec, name="rec")
+    bus.start()
+    try:
+        assert bus.flush()
+        bus.publish(Loss(step=0, value=Pending(Buf())))
+        for i in range(1, 40):
+            bus.publish(Loss(step=i, value=torch.tensor(float(i))))
+        bus.close(timeout=0.3)  # the loop is blocked reading step 0: abandoned
+        assert reading.is_set()
+    finally:
+        release.set()
+    assert bus._loop.wait(10)
+    st = bus.stats()
+    assert st.error is None, st.error
+    assert (40, True) in runs
+    s = st.subscribers["rec"]
+    assert (s.published, s.delivered, s.dropped, s.queued) == (40, 0, 40, 0), s
+    identity(st)
+
+
 def test_a_queue_without_room_for_the_run_gets_it_one_at_a_time() -> None:
     """A lossless subscriber with room for 8: the run falls back, and backpressure keeps
     every event, in order, for it and for the others."""
