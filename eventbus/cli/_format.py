@@ -9,8 +9,9 @@ __all__ = ["g", "hms"]
 
 def hms(s: float) -> str:
     """`s` seconds as h:mm:ss.s (negative as zero)."""
-    s = max(0.0, s)
-    return f"{int(s // 3600)}:{int(s // 60 % 60):02d}:{s % 60:04.1f}"
+    tenths = round(max(0.0, s) * 10)  # rounded once: 59.96 s is 0:01:00.0, not 0:00:60.0
+    minutes, tenths = divmod(tenths, 600)
+    return f"{minutes // 60}:{minutes % 60:02d}:{tenths // 10:02d}.{tenths % 10}"
 
 
 def g(v: float) -> str:

@@ -11,6 +11,7 @@ from typing import Any
 
 from eventbus.cli._format import g, hms
 from eventbus.cli.report import RunReport
+from eventbus.steps import known_total
 
 __all__ = ["compare_lines"]
 
@@ -107,7 +108,7 @@ def _status(d: dict[str, Any], r: RunReport) -> str:
 
 def _steps(d: dict[str, Any], r: RunReport) -> str:
     st = d["steps"]
-    total = r.run_started.total_steps if r.run_started else None
+    total = known_total(r.run_started.total_steps) if r.run_started else None
     return f"{st['count']:,}" + (f" of {total:,}" if total else "")
 
 

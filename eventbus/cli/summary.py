@@ -26,6 +26,7 @@ from eventbus.events import (
     StopRequested,
     StragglerDetected,
 )
+from eventbus.steps import known_total
 
 __all__ = ["add_parser", "run", "summary_dict", "summary_lines"]
 
@@ -231,7 +232,7 @@ def summary_lines(r: RunReport) -> list[str]:
         status += f": {r.run_ended.reason}"
     lines.append(f"status:     {status}")
     st = d["steps"]
-    total = r.run_started.total_steps if r.run_started else None
+    total = known_total(r.run_started.total_steps) if r.run_started else None
     lines.append(
         f"steps:      {st['count']:,}"
         + (f" of {total:,}" if total else "")

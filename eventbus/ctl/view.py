@@ -14,6 +14,7 @@ from collections import deque
 from typing import Any
 
 from eventbus.events import CheckpointSaved, Event, Loss, RunEnded, RunStarted
+from eventbus.steps import known_total
 
 __all__ = ["CHECKPOINTS", "RunView"]
 
@@ -49,7 +50,8 @@ class RunView:
 
     def _take(self, ev: Event) -> None:
         if isinstance(ev, RunStarted):
-            self._total = ev.total_steps
+            self._total = known_total(ev.total_steps)  # 0 or -1: unknown, no ETA
+            self._step = None  # a new run on the same bus counts from its own steps
             self._started_ns = ev.ts
             self._ended = None
             self._rate.clear()

@@ -13,6 +13,7 @@ needed stopping.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 from eventbus.core import BusHandle
@@ -33,6 +34,27 @@ def _number(name: str, v: Any, *, least: float | None = None) -> float:
     if least is not None and v < least:
         raise ValueError(f"{name} must be >= {least:g}, got {v!r}")
     return float(v)
+
+
+def _state_int(
+    cls: str,
+    state: Mapping[str, Any],
+    key: str,
+    default: int | None,
+    *,
+    none: bool = False,
+    least: int | None = None,
+) -> int | None:
+    """`state[key]` as an int (>= `least`, or None if `none`); else a ValueError naming it."""
+    v = state.get(key, default)
+    if v is None and none:
+        return None
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)  # through a format that keeps numbers as floats
+    if isinstance(v, bool) or not isinstance(v, int) or (least is not None and v < least):
+        kind = "an int" + ("" if least is None else f" >= {least}") + (" or None" if none else "")
+        raise ValueError(f"{cls} state: {key} must be {kind}, got {v!r}")
+    return v
 
 
 def _g(v: float | None) -> str:
@@ -164,8 +186,15 @@ class _Stopper:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned; refuse state of another metric or mode."""
+        """Restore what `state_dict` returned; refuse state of another metric, mode or kind,
+        or a malformed one (a `ValueError` naming the key: nothing of it is loaded)."""
+        self._restore(self._checked(state))
+
+    def _checked(self, state: Any) -> dict[str, Any]:
+        """Every field of `state`, checked before any is restored."""
         cls = type(self).__name__
+        if not isinstance(state, Mapping):
+            raise TypeError(f"{cls} state must be a dict (from state_dict()), got {state!r:.80}")
         for key in ("metric", "mode"):
             if state.get(key, getattr(self, key)) != getattr(self, key):
                 raise ValueError(
@@ -177,14 +206,30 @@ class _Stopper:
                 f"state is of a {state['kind']}, not of this {cls}: load it into a "
                 f"{state['kind']} (subscribers' states are matched by name)"
             )
-        if state.get("version", _STATE_VERSION) > _STATE_VERSION:
-            raise ValueError(f"{cls} state version {state['version']} is newer than this eventbus")
+        version = _state_int(cls, state, "version", _STATE_VERSION, least=0)
+        if version is not None and version > _STATE_VERSION:
+            raise ValueError(f"{cls} state version {version} is newer than this eventbus")
         best = state.get("best")
-        self.best = None if best is None else float(best)
-        self.best_step = state.get("best_step")
-        self._auto_step = int(state.get("auto_step", 0))
-        self.stopped_at = state.get("stopped_at")
-        self.stop_reason = state.get("stop_reason")
+        if best is not None and (
+            isinstance(best, bool) or not isinstance(best, int | float) or not math.isfinite(best)
+        ):
+            raise ValueError(f"{cls} state: best must be a finite number or None, got {best!r}")
+        reason = state.get("stop_reason")
+        if reason is not None and not isinstance(reason, str):
+            raise ValueError(f"{cls} state: stop_reason must be a str or None, got {reason!r}")
+        return {
+            "best": None if best is None else float(best),
+            "best_step": _state_int(cls, state, "best_step", None, none=True),
+            "auto_step": _state_int(cls, state, "auto_step", 0),
+            "stopped_at": _state_int(cls, state, "stopped_at", None, none=True),
+            "stop_reason": reason,
+        }
+
+    def _restore(self, fields: dict[str, Any]) -> None:
+        """Set what `_checked` returned."""
+        self.best, self.best_step = fields["best"], fields["best_step"]
+        self._auto_step = fields["auto_step"]
+        self.stopped_at, self.stop_reason = fields["stopped_at"], fields["stop_reason"]
 
 
 class ThresholdStopper(_Stopper):
@@ -264,7 +309,13 @@ class EarlyStopper(_Stopper):
         """The shared state and the count of values without improvement."""
         return {**super().state_dict(), "bad": self.bad}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned."""
-        super().load_state_dict(state)
-        self.bad = int(state.get("bad", 0))
+    def _checked(self, state: Any) -> dict[str, Any]:
+        """The shared fields and `bad`, checked before any is restored."""
+        return {
+            **super()._checked(state),
+            "bad": _state_int(type(self).__name__, state, "bad", 0, least=0),
+        }
+
+    def _restore(self, fields: dict[str, Any]) -> None:
+        super()._restore(fields)
+        self.bad = fields["bad"]

@@ -4,7 +4,8 @@ The ETA is `SpeedMonitor`'s `TimeEstimate` when one arrives (windowed, warm-up l
 counted down between estimates), else this bar's own average rate. Uses tqdm when installed
 (`pip install 'eventbus[progress]'`), else a plain line every `refresh_interval` seconds.
 Quiet when the stream is not a terminal (a log file, CI) unless `force=True`. Lossy on
-purpose (`policy = "latest"`): a progress bar only needs the newest.
+purpose (`policy = "latest"`): a progress bar only needs the newest. A second `RunStarted`
+(a new run on the same bus) starts a bar of its own.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class ConsoleProgress:
             raise ImportError("use_tqdm=True needs tqdm: pip install 'eventbus[progress]'")
         self.use_tqdm = has_tqdm if use_tqdm is None else use_tqdm
         self.total = total
+        self._given_total = total
         self.refresh_interval = refresh_interval
         self.desc = desc
         self._bar: Any = None
@@ -91,7 +93,10 @@ class ConsoleProgress:
         for ev in batch:
             match ev:
                 case RunStarted():
-                    self.total = known_total(ev.total_steps) or self.total  # 0 or less: none
+                    if self._step is not None:
+                        self._show(final=True)
+                        self._end_line()  # a new run on the same bus: its own line and ETA
+                    self.total = known_total(ev.total_steps) or self._given_total  # 0: none
                     self._initial = ev.resumed_from_step or 0
                 case Loss():
                     if ev.split == "train":
@@ -117,12 +122,17 @@ class ConsoleProgress:
         if not self.enabled:
             return
         self._show(final=True)
+        self._end_line()
+
+    def _end_line(self) -> None:
+        """Release the terminal line and forget the run's steps, rate and estimate."""
         if self._bar is not None:
             self._bar.close()
             self._bar = None
         elif self._step is not None:
             self.stream.write("\n")
             self.stream.flush()
+        self._step = self._t0 = self._estimate = self._loss = None
 
     # -- drawing -----------------------------------------------------------------------------
 

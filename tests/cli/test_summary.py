@@ -476,3 +476,17 @@ def test_summary_shows_no_eta_for_a_completed_run(
     log = _eta_run(tmp_path, RunEnded(step=1000, status="completed"))
     assert main(["summary", str(log)]) == 0
     assert "eta:" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("total", [0, -1])
+def test_summary_reads_a_placeholder_total_as_no_total(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], total: int
+) -> None:
+    # 0 or -1 is "unknown" (as ConsoleProgress and SpeedMonitor read it): not "of -1"
+    events: list[Event] = [RunStarted(step=0, total_steps=total)]
+    events += [StepEnded(step=s, ts=1_700_000_000_000_000_000 + s * 10**9) for s in (1, 2)]
+    logs = [write_events(tmp_path / run / "events.jsonl", events) for run in ("a", "b")]
+    assert main(["summary", str(logs[0])]) == 0
+    assert "steps:      2 (1 to 2)\n" in capsys.readouterr().out
+    assert main(["summary", *map(str, logs)]) == 0  # side by side: the same rule
+    assert f"of {total}" not in capsys.readouterr().out

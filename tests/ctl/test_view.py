@@ -78,3 +78,15 @@ def test_the_checkpoint_after_an_event_is_the_first_published_after_it() -> None
     for k in range(CHECKPOINTS):  # only the newest are kept
         v.update([CheckpointSaved(step=10 + k, path=str(k), seq=30 + k)])
     assert v.checkpoint_after(0) == {"step": 10, "path": "0", "seq": 30}
+
+
+def test_a_placeholder_total_is_no_total_and_a_new_run_counts_from_its_steps() -> None:
+    v = RunView()
+    v.update([RunStarted(total_steps=-1, ts=0)])  # unknown, as SpeedMonitor reads it
+    v.update([StepEnded(step=s, ts=s * S) for s in (1, 2)])
+    assert (v.snapshot()["total_steps"], v.snapshot()["eta_s"]) == (None, None)  # not 0 s
+    v.update([StepEnded(step=s, ts=s * S) for s in range(3, 50)])
+    v.update([RunStarted(total_steps=10, ts=50 * S)])  # the next run on the same bus
+    v.update([StepEnded(step=s, ts=(50 + s) * S) for s in (1, 2)])
+    snap = v.snapshot()
+    assert (snap["step"], snap["steps_per_s"], snap["eta_s"]) == (2, 1.0, 8.0)

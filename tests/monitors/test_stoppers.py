@@ -221,3 +221,30 @@ def test_a_state_of_another_kind_of_stopper_is_refused() -> None:
     with pytest.raises(ValueError, match="of a ThresholdStopper, not of this EarlyStopper"):
         early.load_state_dict(threshold.state_dict())
     early.load_state_dict(EarlyStopper("loss", patience=3).state_dict())  # its own kind: fine
+
+
+@pytest.mark.parametrize(
+    ("bad", "key"),
+    [
+        ({"best": 0.5, "auto_step": None}, "auto_step"),
+        ({"best": 0.2, "bad": "x"}, "bad"),
+        ({"best": 0.2, "bad": -1}, "bad"),
+        ({"best": 0.2, "bad": 2.7}, "bad"),
+        ({"best": math.nan}, "best"),
+        ({"best": "abc"}, "best"),
+        ({"best": 0.2, "best_step": "3"}, "best_step"),
+        ({"best": 0.2, "version": "1"}, "version"),
+    ],
+)
+def test_a_malformed_state_is_refused_naming_the_key_and_nothing_is_loaded(
+    bad: dict[str, object], key: str
+) -> None:
+    s = EarlyStopper("loss", patience=3)
+    s.update(1.0, 1)
+    s.update(1.1, 2)
+    before = s.state_dict()
+    with pytest.raises(ValueError, match=f"EarlyStopper state: {key}"):
+        s.load_state_dict({**before, **bad})
+    assert s.state_dict() == before  # not half loaded: it goes on counting as it was
+    with pytest.raises(TypeError, match="EarlyStopper state must be a dict"):
+        s.load_state_dict(None)  # type: ignore[arg-type]

@@ -147,3 +147,15 @@ def test_tqdm_postfix_carries_the_monitors_estimate() -> None:
     text = out.getvalue()
     assert "ETA 2:0" in text
     assert "/40" in text
+
+
+def test_a_new_run_on_the_same_bus_starts_the_line_afresh() -> None:
+    out = _Tty()
+    p = ConsoleProgress(stream=out, refresh_interval=0, use_tqdm=False)
+    _feed(p, total=100, steps=5)
+    p.on_events([TimeEstimate(step=5, eta_s=7265.0, total_steps=100), RunEnded(step=5)])
+    _feed(p, total=20, steps=2)  # the next run: steps from 1 again
+    p.on_close()
+    last = out.getvalue().rsplit("\r", 1)[-1]
+    assert last.startswith("step 2/20")  # not the old run's "step 5/20"
+    assert "ETA 2:0" not in last  # nor its estimate, counting down
