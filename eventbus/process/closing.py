@@ -164,9 +164,11 @@ class Closing:
         self.release()
 
     def release(self) -> None:
-        """Let go of the sidecar (it drains, closes its files and exits by itself)."""
+        """Let go of the sidecar (it drains, closes its files and exits by itself). A bus that
+        never ran asked it nothing: none of its subscribers went unanswered (none is hung)."""
         self.closing = True
-        if not self.final and self.gave_up is None and self.remotes:
+        ran = self.bus._loop.thread is not None
+        if not self.final and self.gave_up is None and self.remotes and ran:
             self.hung += self.abandon()  # it never answered the close: counted, named
         self.chan.stop()
         self.chan.finalizer.detach()

@@ -3,6 +3,7 @@ what was published to it (before its end or removal), never for what came after.
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import signal
@@ -278,3 +279,17 @@ def test_a_removal_told_while_the_close_ends_a_subscriber_sends_it_no_remove(
     assert removes == []
     s = st[t.name]  # type: ignore[index]
     assert (s.state, s.published, s.delivered) == ("closed", 5, 5)
+
+
+def test_closing_a_bus_never_started_names_no_sidecar_subscriber_hung(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nothing was asked of the sidecar, so nothing went unanswered: it ends its subscribers
+    by itself (its reading ends), as an in-process one of a bus never started is left."""
+    bus = EventBus(close_timeout=5)
+    sub = bus.subscribe(JsonlWriter(tmp_path))  # the sidecar starts here
+    with caplog.at_level(logging.ERROR, logger="eventbus"):
+        st = bus.close()
+    assert st.hung == ()
+    assert st[sub.name].state != "hung"  # type: ignore[index]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
