@@ -333,7 +333,8 @@ def main() -> None:
     paths = json.loads(os.environ.pop(spawn.PATH_ENV, "[]"))
     sys.path[:0] = [p for p in paths if p not in sys.path]
     fd = int(sys.argv[1])
-    sock = socket.socket(fileno=os.dup(fd))  # for shutdown() only; the Connection reads
+    # For shutdown() only (the Connection reads); never a closed standard stream's number.
+    sock = socket.socket(fileno=spawn.above_std(os.dup(fd)))
     conn = Connection(fd)
     try:
         msg = conn.recv_bytes()

@@ -45,6 +45,7 @@ class Closing:
     hung: tuple[str, ...]
     late: int
     final: bool
+    gone: bool
     _cond: threading.Condition
     _through: int
     _held: Any
@@ -164,12 +165,29 @@ class Closing:
         self.release()
 
     def release(self) -> None:
-        """Let go of the sidecar (it drains, closes its files and exits by itself)."""
+        """Let go of the sidecar (it drains, closes its files and exits by itself). A bus that
+        never ran asked it nothing: none of its subscribers went unanswered (none is hung)."""
         self.closing = True
-        if not self.final and self.gave_up is None and self.remotes:
-            self.hung += self.abandon()  # it never answered the close: counted, named
+        ran = self.bus._loop.thread is not None
+        if not self.final and self.gave_up is None and self.remotes and ran:
+            self.final = True  # counted once: the bus's finish lets go again
+            if self.chan.dead is None:
+                self.hung += self.abandon()  # it never answered the close: counted, named
+            else:
+                self._died_closing(self.chan.dead)
         self.chan.stop()
         self.chan.finalizer.detach()
+
+    def _died_closing(self, why: str) -> None:
+        """It died during the close (no restart then): what it never reported handled is
+        lost; its subscribers still open are disabled, not hung."""
+        with self._cond:
+            self.gone = True  # nothing more comes from it
+            lost = {r.name: n for r in self.remotes.values() if (n := r.unhandled())}
+            for r in self.remotes.values():
+                if r.state not in (State.CLOSED, State.HUNG):
+                    r.state, r.error = State.DISABLED, why
+        get_logger().error("the sidecar process died during the close", error=why, lost=lost)
 
     def _never_sent(self, queued: list[Event]) -> None:
         """The close gave up on our delivery: what it still held (queued, and a batch waiting

@@ -306,7 +306,9 @@ class Sidecar(Closing, Reports):
             return True
 
     def forget_after_fork(self) -> None:
-        """In a forked child: close our copy of the socket, never touching the parent's."""
+        """In a forked child: close our copy of the socket, never touching the parent's; a
+        lock of our own (a thread of the parent's may have held it at the fork, for good)."""
+        self._cond = threading.Condition()
         with contextlib.suppress(OSError):
             self.chan.conn.close()  # our copy of the descriptor only: no shutdown
 

@@ -9,6 +9,7 @@ again inside the child. Linux and macOS (the child gets its socket by fd).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib
 import json
 import os
@@ -20,7 +21,15 @@ import sys
 import types
 from multiprocessing.connection import Connection
 
-__all__ = ["Child", "import_main", "importing_main", "kill", "launch", "main_to_import"]
+__all__ = [
+    "Child",
+    "above_std",
+    "import_main",
+    "importing_main",
+    "kill",
+    "launch",
+    "main_to_import",
+]
 
 _BOOT = "from eventbus.process.child import main; main()"
 PATH_ENV = "EVENTBUS_CHILD_SYS_PATH"  # the parent's sys.path, so the child finds the same code
@@ -63,7 +72,7 @@ class Child:
 def launch(name: str, t0: float) -> tuple[Child, Connection]:
     """Start a fresh interpreter (spawn semantics: no inherited threads, locks or CUDA state)
     connected to us by a socket pair."""
-    ours, theirs = socket.socketpair()
+    ours, theirs = (_socket_above_std(s) for s in socket.socketpair())
     env = {**os.environ, PATH_ENV: json.dumps([p for p in sys.path if p])}
     try:
         popen = subprocess.Popen(
@@ -75,6 +84,22 @@ def launch(name: str, t0: float) -> tuple[Child, Connection]:
     finally:
         theirs.close()  # the child's copy stays open: it sees EOF only when we are gone
     return Child(popen), Connection(ours.detach())
+
+
+def above_std(fd: int) -> int:
+    """A copy of `fd` numbered above stdin, stdout and stderr (not inherited); `fd` closed.
+    Where one of those is closed its number is the lowest free: a socket given it would get
+    what is printed (or read from stdin) there, taken for the channel's messages."""
+    if fd > 2:
+        return fd
+    try:
+        return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
+    finally:
+        os.close(fd)
+
+
+def _socket_above_std(s: socket.socket) -> socket.socket:
+    return s if s.fileno() > 2 else socket.socket(fileno=above_std(s.detach()))
 
 
 def kill(proc: Child) -> None:

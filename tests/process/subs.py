@@ -400,3 +400,13 @@ class LateEnd(Tally):
 
         child.Host._end = late  # type: ignore[method-assign,assignment]
         super().on_start(bus)
+
+
+class Printer:
+    """Prints each batch to its standard output (a user's progress line), as a `Tally`."""
+
+    policy = "block"
+    events = (Loss,)
+
+    def on_events(self, batch: list[Event]) -> None:
+        print(f"got {len(batch)} events, the last of step {batch[-1].step}", flush=True)

@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -703,3 +704,39 @@ def test_a_bad_name_for_a_sidecar_subscriber_is_refused_before_a_process_starts(
     with pytest.raises(TypeError, match="name= must be a non-empty str"):
         bus.subscribe(Tally(str(tmp_path / "t")), placement="process", name=name)  # type: ignore[arg-type]
     assert bus.stats().sidecar is None
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_remove_in_a_forked_child_returns_while_the_parent_held_the_sidecars_lock(
+    new_bus: NewBus, tmp_path: Path
+) -> None:
+    """A fork taken while a thread holds the sidecar's lock (the bus thread posting a batch,
+    the reader restarting a dead sidecar) must leave the child's bus calls returning."""
+    bus = new_bus()
+    h = bus.subscribe(Tally(str(tmp_path / "t")), placement="process")
+    bus.start()
+    side = bus._sidecar
+    assert side is not None
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with side._cond:
+            held.set()
+            release.wait(30)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    assert held.wait(10)
+    pid = os.fork()
+    if pid == 0:  # the child (a DataLoader worker)
+        try:
+            h.remove()
+        finally:
+            os._exit(0)
+    release.set()
+    t.join()
+    ended = until(lambda: os.waitpid(pid, os.WNOHANG)[0] == pid, 10)
+    if not ended:  # the remove deadlocked on the lock the parent's thread held at the fork
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert ended

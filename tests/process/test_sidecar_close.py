@@ -3,6 +3,7 @@ what was published to it (before its end or removal), never for what came after.
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import signal
@@ -278,3 +279,43 @@ def test_a_removal_told_while_the_close_ends_a_subscriber_sends_it_no_remove(
     assert removes == []
     s = st[t.name]  # type: ignore[index]
     assert (s.state, s.published, s.delivered) == ("closed", 5, 5)
+
+
+def test_closing_a_bus_never_started_names_no_sidecar_subscriber_hung(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nothing was asked of the sidecar, so nothing went unanswered: it ends its subscribers
+    by itself (its reading ends), as an in-process one of a bus never started is left."""
+    bus = EventBus(close_timeout=5)
+    sub = bus.subscribe(JsonlWriter(tmp_path))  # the sidecar starts here
+    with caplog.at_level(logging.ERROR, logger="eventbus"):
+        st = bus.close()
+    assert st.hung == ()
+    assert st[sub.name].state != "hung"  # type: ignore[index]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_sidecar_that_dies_in_its_close_is_reported_dead_once_not_hung(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    bus = EventBus(drain_interval=0.002, close_timeout=10)
+    sub = bus.subscribe(Tally(str(tmp_path / "t")), placement="process")
+    side = bus._sidecar
+    assert side is not None
+    ask = side.request
+
+    def dying(op: bytes, arg: Any, *, within: float | None = None) -> Any:
+        if op == wire.CLOSE:  # killed (out of memory, say) as the close reaches it
+            os.kill(side.chan.proc.pid, signal.SIGKILL)
+        return ask(op, arg, within=within)
+
+    side.request = dying  # type: ignore[method-assign]
+    with caplog.at_level(logging.ERROR, logger="eventbus"), bus:
+        for i in range(100):
+            bus.publish(Loss(step=i, value=1.0))
+    st = bus.stats()
+    s = st[sub.name]  # type: ignore[index]
+    assert st.hung == () and s.state != "hung"
+    assert s.delivered + s.dropped + s.failed == s.published == 100
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "died" in errors[0], errors  # not "did not answer in time"

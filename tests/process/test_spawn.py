@@ -195,3 +195,35 @@ def test_a_sidecar_whose_reading_a_hung_subscriber_holds_does_not_outlive_its_pa
             parent.kill()
             parent.wait(5)
         (tmp_path / "never").write_text("")  # let it go, whatever happened
+
+
+CLOSED_STD_SCRIPT = """
+import os, sys
+os.close(0)  # started with its standard input and output closed (a daemon, `<&- >&-`)
+os.close(1)
+sys.path.insert(0, {root!r})
+from eventbus import EventBus
+from eventbus.events import Loss
+from tests.process.subs import Printer
+
+bus = EventBus(drain_interval=0.002, close_timeout=10)
+h = bus.subscribe(Printer(), placement="process")
+with bus:
+    for i in range(200):
+        bus.publish(Loss(step=i, value=1.0))
+    flushed = bus.flush(timeout=10)
+st = h.stats()
+sys.stderr.write(f"RESULT {{flushed}} {{st.delivered}} {{st.state}}\\n")
+"""
+
+
+def test_the_channel_is_no_standard_stream_when_those_are_closed(tmp_path: Path) -> None:
+    """With stdin and stdout closed the socket pair would get their numbers: what the sidecar
+    prints, or the training process reads from stdin, would be taken for its messages."""
+    script = tmp_path / "train.py"
+    script.write_text(CLOSED_STD_SCRIPT.format(root=str(ROOT)))
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=False
+    )
+    result = [x for x in proc.stderr.splitlines() if x.startswith("RESULT")]
+    assert result == ["RESULT True 200 closed"], proc.stderr[-3000:]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,27 @@ def test_an_event_module_that_exits_on_import_only_makes_the_type_unknown(
     (ev,) = wire.unpack(data)  # SystemExit from the user's module must not end the child
     assert isinstance(ev, UnknownEvent)
     assert ev.type_name == "Gone"
+
+
+@dataclass(slots=True, kw_only=True)
+class Ratio(Event):
+    """A user event with a field its `__post_init__` computes (`init=False`)."""
+
+    num: float = 0.0
+    den: float = 1.0
+    ratio: float = field(init=False, default=0.0)
+
+    def __post_init__(self) -> None:
+        self.ratio = self.num / self.den
+
+
+def test_an_event_with_a_field_its_post_init_computes_round_trips() -> None:
+    """Rebuilt through `__init__`, which refuses a value for an `init=False` field: the
+    whole batch (the Loss beside it too) could not be read on the other side."""
+    evs: list[Event] = [Ratio(step=1, num=3.0, den=4.0, seq=1), Loss(step=1, value=2.0, seq=2)]
+    out = wire.unpack(wire.pack(evs))
+    assert out == evs
+    assert out[0].ratio == 0.75  # type: ignore[attr-defined]
 
 
 def test_opcodes_are_distinct_single_bytes_with_names() -> None:
