@@ -12,7 +12,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Event", "Number", "event_fields", "event_type", "registered_types"]
+__all__ = ["Event", "Number", "event_fields", "event_type", "rebuild", "registered_types"]
 
 # Type name -> class. Filled by `Event.__init_subclass__`, so user subclasses register
 # themselves on definition; `replay` rebuilds them by name and never imports anything.
@@ -88,3 +88,20 @@ def event_fields(cls: type) -> tuple[dataclasses.Field[Any], ...]:
                 "@dataclass(slots=True, kw_only=True)"
             )
     return fields
+
+
+_LATER: dict[type, frozenset[str]] = {}  # per class: the fields __init__ takes no value for
+
+
+def rebuild(cls: type[Event], values: dict[str, Any]) -> Event:
+    """`cls` from logged or sent field values, through `__init__` (its `__post_init__` runs);
+    a field `__init__` takes no value for (`field(init=False)`) is set after, to its value."""
+    later = _LATER.get(cls)
+    if later is None:
+        later = _LATER[cls] = frozenset(f.name for f in dataclasses.fields(cls) if not f.init)
+    if not later.intersection(values):
+        return cls(**values)
+    ev = cls(**{k: v for k, v in values.items() if k not in later})
+    for k in later.intersection(values):
+        object.__setattr__(ev, k, values[k])
+    return ev

@@ -20,6 +20,7 @@ import orjson
 
 from eventbus._codec_classes import CODECS, STAMP_CHECKS, STAMP_KINDS, STAMPS, STR, codec_of
 from eventbus._codec_values import MAX_DEPTH, InvalidValue, exact, marked, restore, stamp, tag
+from eventbus._event_base import rebuild
 from eventbus.events import Event, UnknownEvent, event_type
 
 __all__ = [
@@ -166,7 +167,7 @@ def decode(line: bytes | str) -> Event | None:
     except (InvalidValue, RecursionError) as e:
         raise EventDecodeError(f"{name}.{k} {_why(e)}") from None
     try:
-        return cls(**kwargs)
+        return rebuild(cls, kwargs)  # `init=False` fields too, as logged
     except TypeError:  # a required field missing (a log from another version)
         return _unknown(name, d, is_marked)
 

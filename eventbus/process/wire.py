@@ -28,6 +28,7 @@ from itertools import compress
 from operator import call, is_
 from typing import Any, Literal, TypedDict
 
+from eventbus._event_base import rebuild
 from eventbus.events import Event, UnknownEvent, event_type
 
 __all__ = [
@@ -206,7 +207,11 @@ def _maker(tname: str, module: str, names: tuple[str, ...]) -> Callable[[tuple[A
         if known == set(names) and not hasattr(cls, "__post_init__"):
             return _setter(cls, names)
         if known.issuperset(names):
-            return _through_init(cls, names)
+
+            def make(values: tuple[Any, ...], cls: type[Event] = cls) -> Event:
+                return rebuild(cls, dict(zip(names, values, strict=True)))
+
+            return make
 
     def unknown(values: tuple[Any, ...]) -> Event:
         d = dict(zip(names, values, strict=True))
@@ -216,22 +221,6 @@ def _maker(tname: str, module: str, names: tuple[str, ...]) -> Callable[[tuple[A
         return UnknownEvent(type_name=tname, data=d, **base)
 
     return unknown
-
-
-def _through_init(cls: type[Event], names: tuple[str, ...]) -> Callable[[tuple[Any, ...]], Event]:
-    """Build through `__init__` (its `__post_init__` runs), then set the fields `__init__`
-    takes no value for (`init=False`) to the values sent."""
-    init = {f.name for f in dataclasses.fields(cls) if f.init}
-    later = [n for n in names if n not in init]
-
-    def make(values: tuple[Any, ...]) -> Event:
-        d = dict(zip(names, values, strict=True))
-        ev = cls(**{n: v for n, v in d.items() if n in init})
-        for n in later:
-            object.__setattr__(ev, n, d[n])
-        return ev
-
-    return make
 
 
 def _setter(cls: type[Event], names: tuple[str, ...]) -> Callable[[tuple[Any, ...]], Event]:
