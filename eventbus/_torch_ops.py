@@ -25,6 +25,7 @@ import torch
 
 from eventbus import _compiling
 from eventbus._compiling import compiling
+from eventbus._event_base import rebuild
 from eventbus.events import Event, event_fields
 from eventbus.log import get_logger
 
@@ -136,7 +137,7 @@ def _publish_op(tensors: list[torch.Tensor], ints: list[int], site: int) -> None
     if bus is None:  # the bus is gone: nothing could receive it (as publishing to no bus)
         return
     kw = {n: _rebuild(shape, tensors, ints) for n, shape in s.layout}
-    bus.publish(s.cls(**kw))
+    bus.publish(rebuild(s.cls, kw))  # `init=False` fields too, as traced
 
 
 @_publish_op.register_fake

@@ -6,6 +6,7 @@ Compiled models are tiny so the suite stays fast; most cases use the "aot_eager"
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from collections import Counter
@@ -19,7 +20,7 @@ import torch._dynamo
 from torch import nn
 
 import eventbus.torch as et
-from eventbus import EventBus
+from eventbus import Event, EventBus
 from eventbus.events import Loss, Scalars, TensorLayout, TensorStats
 from tests.conftest import Recorder
 from tests.test_torch import TinyGPT
@@ -234,6 +235,35 @@ def test_publish_inside_a_fullgraph_compiled_step_equals_eager() -> None:
             assert b == pytest.approx(a, rel=1e-6)
     assert _graphs() <= 2  # a new int/float value makes them dynamic once, never per value
     assert _graph_breaks() == 0
+
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class _Ratio(Event):
+    """A user event with a field its `__post_init__` computes (`init=False`)."""
+
+    num: Any = 0.0
+    den: float = 1.0
+    ratio: Any = dataclasses.field(init=False, default=0.0)
+
+    def __post_init__(self) -> None:
+        self.ratio = self.num / self.den
+
+
+def test_an_event_with_an_init_false_field_publishes_from_a_compiled_step() -> None:
+    """The graph rebuilt the event as cls(**every field), which `__init__` refuses for an
+    `init=False` one: the compiled step raised where eager code published."""
+    rec = Recorder(events=[_Ratio])
+    with EventBus(drain_interval=0.002, handle_signals=False) as bus:
+        bus.subscribe(rec)
+
+        def step(x: torch.Tensor, n: int) -> torch.Tensor:
+            bus.publish(_Ratio(step=n, num=x.sum(), den=4.0))
+            return x * 2
+
+        run = torch.compile(step, fullgraph=True, backend="aot_eager")
+        for n in (1, 2):
+            run(torch.full((3,), float(n)), n)
+    assert [(e.step, e.num, e.ratio) for e in rec.got] == [(1, 3.0, 0.75), (2, 6.0, 1.5)]
 
 
 def test_explain_finds_no_graph_break_from_publish() -> None:
