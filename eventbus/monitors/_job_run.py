@@ -108,6 +108,9 @@ def _call(fn: Callable[[str], Any] | str, path: str, conn: Any) -> None:
     In a session of its own: a timeout kills what the function started too."""
     with contextlib.suppress(OSError):
         os.setsid()
+    # Daemonic only for the parent's sake (it terminates us at its exit): the job itself may
+    # start processes of its own (a DataLoader's workers), which a daemonic process may not.
+    multiprocessing.current_process().daemon = False
     try:
         target = load_object(fn) if isinstance(fn, str) else fn
         result = target(path)

@@ -43,6 +43,16 @@ def start_a_worker_and_wait(path: str) -> dict[str, float]:
     return {}
 
 
+def start_a_multiprocessing_worker(path: str) -> dict[str, float]:
+    """A job function whose work uses multiprocessing, as a DataLoader with workers does."""
+    import multiprocessing
+
+    worker = multiprocessing.get_context("fork").Process(target=int)
+    worker.start()
+    worker.join()
+    return {"worker_exit": float(worker.exitcode or 0)}
+
+
 def _bus() -> EventBus:
     return EventBus(drain_interval=0.002, close_timeout=30)
 
@@ -349,3 +359,14 @@ def test_jobs_never_run_on_the_training_thread() -> None:
     with bus:
         bus.publish(CheckpointSaved(step=1, path="c"))
     assert seen and threading.get_ident() not in seen
+
+
+def test_a_function_job_may_start_processes_of_its_own() -> None:
+    """The job's process is not daemonic: a DataLoader's workers may start in it."""
+    jobs = CheckpointJobs(fn=start_a_multiprocessing_worker)
+    bus = _bus()
+    bus.subscribe(jobs)
+    with bus:
+        bus.publish(CheckpointSaved(step=1, path="ckpt-1"))
+    assert jobs.failures == []
+    assert [ev.metrics for ev in jobs.results] == [{"worker_exit": 0.0}]
