@@ -53,6 +53,14 @@ def start_a_multiprocessing_worker(path: str) -> dict[str, float]:
     return {"worker_exit": float(worker.exitcode or 0)}
 
 
+def where_it_runs(path: str) -> dict[str, float]:
+    """A job function that reports its environment and working directory."""
+    return {
+        "env": float(os.environ.get("EVAL_FLAG") == "on"),
+        "cwd": float(os.getcwd() == os.environ.get("WANT_CWD")),
+    }
+
+
 def _bus() -> EventBus:
     return EventBus(drain_interval=0.002, close_timeout=30)
 
@@ -370,3 +378,14 @@ def test_a_function_job_may_start_processes_of_its_own() -> None:
         bus.publish(CheckpointSaved(step=1, path="ckpt-1"))
     assert jobs.failures == []
     assert [ev.metrics for ev in jobs.results] == [{"worker_exit": 0.0}]
+
+
+def test_env_and_cwd_reach_a_function_job(tmp_path: Path) -> None:
+    env = {"EVAL_FLAG": "on", "WANT_CWD": str(tmp_path)}
+    jobs = CheckpointJobs(fn=where_it_runs, env=env, cwd=tmp_path)
+    bus = _bus()
+    bus.subscribe(jobs)
+    with bus:
+        bus.publish(CheckpointSaved(step=1, path="ckpt-1"))
+    assert jobs.failures == []
+    assert [ev.metrics for ev in jobs.results] == [{"env": 1.0, "cwd": 1.0}]
