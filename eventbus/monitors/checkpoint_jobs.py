@@ -136,6 +136,8 @@ class CheckpointJobs:
 
     async def _run(self, ev: CheckpointSaved) -> Any:
         path, step = ev.path, "" if ev.step is None else str(ev.step)
+        if self.cwd is not None:  # a relative path names a file from our directory, not cwd's
+            path = os.path.abspath(path)
         if self.fn is not None:
             return await run_function(self.fn, path, self.env, self.cwd)
         assert self.command is not None

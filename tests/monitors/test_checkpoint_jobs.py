@@ -61,6 +61,10 @@ def where_it_runs(path: str) -> dict[str, float]:
     }
 
 
+def path_is_a_file(path: str) -> dict[str, float]:
+    return {"found": float(os.path.isfile(path))}
+
+
 def _bus() -> EventBus:
     return EventBus(drain_interval=0.002, close_timeout=30)
 
@@ -389,3 +393,25 @@ def test_env_and_cwd_reach_a_function_job(tmp_path: Path) -> None:
         bus.publish(CheckpointSaved(step=1, path="ckpt-1"))
     assert jobs.failures == []
     assert [ev.metrics for ev in jobs.results] == [{"env": 1.0, "cwd": 1.0}]
+
+
+@pytest.mark.parametrize("kind", ["command", "fn"])
+def test_a_relative_path_names_the_same_file_in_a_job_with_its_own_cwd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    (tmp_path / "run").mkdir()
+    (tmp_path / "evals").mkdir()
+    (tmp_path / "run" / "ckpt-1.pt").write_text("weights")
+    monkeypatch.chdir(tmp_path)
+    if kind == "command":
+        body = (
+            "import json, os, sys; print(json.dumps({'found': float(os.path.isfile(sys.argv[1]))}))"
+        )
+        jobs = CheckpointJobs(command=_script(body), cwd="evals")
+    else:
+        jobs = CheckpointJobs(fn=path_is_a_file, cwd="evals")
+    bus = _bus()
+    bus.subscribe(jobs)
+    with bus:
+        bus.publish(CheckpointSaved(step=1, path=os.path.join("run", "ckpt-1.pt")))
+    assert [ev.metrics for ev in jobs.results] == [{"found": 1.0}]
