@@ -48,6 +48,9 @@ __all__ = ["ProfileWindows", "profile"]
 
 _RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
 _OURS = ("schedule", "on_trace_ready", "acc_events", "activities")
+# The profile() running in this process: torch runs one profiler at a time, and a second
+# one started beside it breaks the first (its export crashed the process).
+_ONE = threading.Lock()
 _Job = tuple[Any, list[int], int]  # the window's autograd profile, its steps, its index
 # What the table may be sorted by: torch's FunctionEventAvg fields ("cuda"/"xpu" read "device").
 _SORT_KEYS = frozenset(
@@ -118,13 +121,22 @@ class ProfileWindows:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise OSError(f"profile(): cannot create out_dir {str(self.out_dir)!r}: {e}") from e
-        self.profiler = torch.profiler.profile(
-            activities=self.activities,
-            schedule=self.schedule,
-            on_trace_ready=self._ready,
-            **self.options,
-        )
-        self.profiler.start()
+        if torch.autograd.profiler._is_profiler_enabled or not _ONE.acquire(blocking=False):
+            raise RuntimeError(
+                "profile(): a torch profiler is already running in this process (torch runs "
+                "one at a time); end it first"
+            )
+        try:
+            self.profiler = torch.profiler.profile(
+                activities=self.activities,
+                schedule=self.schedule,
+                on_trace_ready=self._ready,
+                **self.options,
+            )
+            self.profiler.start()
+        except BaseException:
+            _ONE.release()
+            raise
         self._writer = threading.Thread(target=self._write_all, name="eventbus-profile")
         self._writer.daemon = True  # never holds the interpreter open; __exit__ joins it
         self._writer.start()
@@ -144,6 +156,7 @@ class ProfileWindows:
             if self.profiler is not None:
                 self.profiler.stop()
         finally:
+            _ONE.release()
             # Waits only while the writer holds max_pending windows; if it times out, so
             # does the join below, and says so.
             with contextlib.suppress(queue.Full):

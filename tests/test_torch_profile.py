@@ -199,3 +199,22 @@ def test_a_table_that_fails_leaves_the_trace_said_and_counted(tmp_path: Path) ->
     assert isinstance(ev, ProfileSaved) and ev.table_path == ""
     assert ev.path == str(tmp_path / "rank0.window1.step2.pt.trace.json")
     assert Path(ev.path).stat().st_size > 0
+
+
+def test_a_second_profile_while_one_runs_is_refused(tmp_path: Path) -> None:
+    """torch runs one profiler at a time: a second one broke the first (a crash at export)."""
+    bus, model = _bus(), _model()
+    schedule = torch.profiler.schedule(wait=0, warmup=1, active=2, repeat=1)
+    with bus, profile(bus, schedule=schedule, out_dir=tmp_path / "a", table=False) as p:
+        with pytest.raises(RuntimeError, match="already running"):
+            p.__enter__()
+        other = profile(bus, schedule=schedule, out_dir=tmp_path / "b", table=False)
+        with pytest.raises(RuntimeError, match="already running"), other:
+            pass
+        for step in range(1, 5):
+            with bus.step(step):
+                _work(model)
+    assert [(e.first_step, e.step) for e in p.saved] == [(2, 3)]
+    assert not [t for t in threading.enumerate() if t.name == "eventbus-profile"]
+    with profile(bus, schedule=schedule, out_dir=tmp_path / "c", table=False):
+        pass  # one after the other is fine
