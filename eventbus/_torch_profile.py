@@ -51,7 +51,7 @@ _OURS = ("schedule", "on_trace_ready", "acc_events", "activities")
 # The profile() running in this process: torch runs one profiler at a time, and a second
 # one started beside it breaks the first (its export crashed the process).
 _ONE = threading.Lock()
-_Job = tuple[Any, list[int], int]  # the window's autograd profile, its steps, its index
+_Job = list[Any]  # [the window's autograd profile, its steps, its index]; the writer empties it
 # What the table may be sorted by: torch's FunctionEventAvg fields ("cuda"/"xpu" read "device").
 _SORT_KEYS = frozenset(
     (
@@ -199,7 +199,7 @@ class ProfileWindows:
         """torch's on_trace_ready, on the training thread: hand the window over; O(1)."""
         steps, self._window = self._window, []
         self._windows += 1
-        job = (prof.profiler, steps, self._windows)  # the next window gets a new object
+        job = [prof.profiler, steps, self._windows]  # the next window gets a new object
         try:
             self._jobs.put_nowait(job)
         except queue.Full:
@@ -216,14 +216,16 @@ class ProfileWindows:
     def _write_all(self) -> None:
         while (job := self._jobs.get()) is not None:
             try:
-                self._write(*job)
+                self._write(job)
             except Exception as e:  # torch's export: logged and counted, the next goes on
                 self.failed += 1
                 get_logger().error(
                     "profile(): writing a window failed", window=job[2], error=repr(e)
                 )
 
-    def _write(self, result: Any, steps: list[int], index: int) -> None:
+    def _write(self, job: _Job) -> None:
+        result, steps, index = job
+        job[0] = None  # our reference is the window's last: `del result` below lets it go
         last = steps[-1] if steps else None
         rank = getattr(self.bus, "rank", 0)
         stem = f"rank{rank}.window{index}" + (f".step{last}" if last is not None else "")
@@ -231,7 +233,7 @@ class ProfileWindows:
         table_path = self.out_dir / f"{stem}.table.txt"
         t0 = time.perf_counter()
         result.export_chrome_trace(str(path))  # Kineto's C++ writer
-        del result  # the window's buffers go now, not at the next job
+        del result  # the window's buffers go now, not when the next window comes
         table = ""
         if self.table:
             try:

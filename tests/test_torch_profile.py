@@ -3,8 +3,10 @@ table written off the training thread; ProfileSaved says where."""
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -218,3 +220,26 @@ def test_a_second_profile_while_one_runs_is_refused(tmp_path: Path) -> None:
     assert not [t for t in threading.enumerate() if t.name == "eventbus-profile"]
     with profile(bus, schedule=schedule, out_dir=tmp_path / "c", table=False):
         pass  # one after the other is fine
+
+
+def test_a_written_window_is_let_go_before_the_next_one_arrives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer keeps no window it wrote: a window's buffers may be large."""
+    windows: list[weakref.ref[Any]] = []
+    ready = ProfileWindows._ready
+
+    def spy(self: ProfileWindows, prof: Any) -> None:
+        windows.append(weakref.ref(prof.profiler))
+        ready(self, prof)
+
+    monkeypatch.setattr(ProfileWindows, "_ready", spy)
+    bus, model, written = _bus(), _model(), threading.Event()
+    bus.subscribe(lambda ev: written.set(), events=[ProfileSaved])
+    schedule = torch.profiler.schedule(wait=0, warmup=0, active=1, repeat=2)
+    with bus, profile(bus, schedule=schedule, out_dir=tmp_path, table=False):
+        with bus.step(1):
+            _work(model)
+        assert written.wait(30)  # window 1 is written; window 2 records
+        gc.collect()
+        assert windows[0]() is None
