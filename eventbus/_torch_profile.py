@@ -48,7 +48,10 @@ __all__ = ["ProfileWindows", "profile"]
 
 _RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
 _OURS = ("schedule", "on_trace_ready", "acc_events", "activities")
-_Job = tuple[Any, list[int], int]  # the window's autograd profile, its steps, its index
+# The profile() running in this process: torch runs one profiler at a time, and a second
+# one started beside it breaks the first (its export crashed the process).
+_ONE = threading.Lock()
+_Job = list[Any]  # [the window's autograd profile, its steps, its index]; the writer empties it
 # What the table may be sorted by: torch's FunctionEventAvg fields ("cuda"/"xpu" read "device").
 _SORT_KEYS = frozenset(
     (
@@ -118,13 +121,22 @@ class ProfileWindows:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise OSError(f"profile(): cannot create out_dir {str(self.out_dir)!r}: {e}") from e
-        self.profiler = torch.profiler.profile(
-            activities=self.activities,
-            schedule=self.schedule,
-            on_trace_ready=self._ready,
-            **self.options,
-        )
-        self.profiler.start()
+        if torch.autograd.profiler._is_profiler_enabled or not _ONE.acquire(blocking=False):
+            raise RuntimeError(
+                "profile(): a torch profiler is already running in this process (torch runs "
+                "one at a time); end it first"
+            )
+        try:
+            self.profiler = torch.profiler.profile(
+                activities=self.activities,
+                schedule=self.schedule,
+                on_trace_ready=self._ready,
+                **self.options,
+            )
+            self.profiler.start()
+        except BaseException:
+            _ONE.release()
+            raise
         self._writer = threading.Thread(target=self._write_all, name="eventbus-profile")
         self._writer.daemon = True  # never holds the interpreter open; __exit__ joins it
         self._writer.start()
@@ -144,6 +156,7 @@ class ProfileWindows:
             if self.profiler is not None:
                 self.profiler.stop()
         finally:
+            _ONE.release()
             # Waits only while the writer holds max_pending windows; if it times out, so
             # does the join below, and says so.
             with contextlib.suppress(queue.Full):
@@ -186,7 +199,7 @@ class ProfileWindows:
         """torch's on_trace_ready, on the training thread: hand the window over; O(1)."""
         steps, self._window = self._window, []
         self._windows += 1
-        job = (prof.profiler, steps, self._windows)  # the next window gets a new object
+        job = [prof.profiler, steps, self._windows]  # the next window gets a new object
         try:
             self._jobs.put_nowait(job)
         except queue.Full:
@@ -203,14 +216,16 @@ class ProfileWindows:
     def _write_all(self) -> None:
         while (job := self._jobs.get()) is not None:
             try:
-                self._write(*job)
+                self._write(job)
             except Exception as e:  # torch's export: logged and counted, the next goes on
                 self.failed += 1
                 get_logger().error(
                     "profile(): writing a window failed", window=job[2], error=repr(e)
                 )
 
-    def _write(self, result: Any, steps: list[int], index: int) -> None:
+    def _write(self, job: _Job) -> None:
+        result, steps, index = job
+        job[0] = None  # our reference is the window's last: `del result` below lets it go
         last = steps[-1] if steps else None
         rank = getattr(self.bus, "rank", 0)
         stem = f"rank{rank}.window{index}" + (f".step{last}" if last is not None else "")
@@ -218,7 +233,7 @@ class ProfileWindows:
         table_path = self.out_dir / f"{stem}.table.txt"
         t0 = time.perf_counter()
         result.export_chrome_trace(str(path))  # Kineto's C++ writer
-        del result  # the window's buffers go now, not at the next job
+        del result  # the window's buffers go now, not when the next window comes
         table = ""
         if self.table:
             try:

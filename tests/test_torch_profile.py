@@ -3,8 +3,10 @@ table written off the training thread; ProfileSaved says where."""
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -199,3 +201,45 @@ def test_a_table_that_fails_leaves_the_trace_said_and_counted(tmp_path: Path) ->
     assert isinstance(ev, ProfileSaved) and ev.table_path == ""
     assert ev.path == str(tmp_path / "rank0.window1.step2.pt.trace.json")
     assert Path(ev.path).stat().st_size > 0
+
+
+def test_a_second_profile_while_one_runs_is_refused(tmp_path: Path) -> None:
+    """torch runs one profiler at a time: a second one broke the first (a crash at export)."""
+    bus, model = _bus(), _model()
+    schedule = torch.profiler.schedule(wait=0, warmup=1, active=2, repeat=1)
+    with bus, profile(bus, schedule=schedule, out_dir=tmp_path / "a", table=False) as p:
+        with pytest.raises(RuntimeError, match="already running"):
+            p.__enter__()
+        other = profile(bus, schedule=schedule, out_dir=tmp_path / "b", table=False)
+        with pytest.raises(RuntimeError, match="already running"), other:
+            pass
+        for step in range(1, 5):
+            with bus.step(step):
+                _work(model)
+    assert [(e.first_step, e.step) for e in p.saved] == [(2, 3)]
+    assert not [t for t in threading.enumerate() if t.name == "eventbus-profile"]
+    with profile(bus, schedule=schedule, out_dir=tmp_path / "c", table=False):
+        pass  # one after the other is fine
+
+
+def test_a_written_window_is_let_go_before_the_next_one_arrives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer keeps no window it wrote: a window's buffers may be large."""
+    windows: list[weakref.ref[Any]] = []
+    ready = ProfileWindows._ready
+
+    def spy(self: ProfileWindows, prof: Any) -> None:
+        windows.append(weakref.ref(prof.profiler))
+        ready(self, prof)
+
+    monkeypatch.setattr(ProfileWindows, "_ready", spy)
+    bus, model, written = _bus(), _model(), threading.Event()
+    bus.subscribe(lambda ev: written.set(), events=[ProfileSaved])
+    schedule = torch.profiler.schedule(wait=0, warmup=0, active=1, repeat=2)
+    with bus, profile(bus, schedule=schedule, out_dir=tmp_path, table=False):
+        with bus.step(1):
+            _work(model)
+        assert written.wait(30)  # window 1 is written; window 2 records
+        gc.collect()
+        assert windows[0]() is None

@@ -103,12 +103,21 @@ class _Remote(Exception):
     """The traceback of the job's process, as text (chained to the JobFailed it caused)."""
 
 
-def _call(fn: Callable[[str], Any] | str, path: str, conn: Any) -> None:
-    """The spawned process's side: call `fn(path)`, send back ("ok", result) or ("error", text).
-    In a session of its own: a timeout kills what the function started too."""
+def _call(
+    fn: Callable[[str], Any] | str, path: str, env: dict[str, str], cwd: str | None, conn: Any
+) -> None:
+    """The spawned process's side: call `fn(path)` with `env` added and in `cwd`, send back
+    ("ok", result) or ("error", text). In a session of its own: a timeout kills what the
+    function started too."""
     with contextlib.suppress(OSError):
         os.setsid()
+    # Daemonic only for the parent's sake (it terminates us at its exit): the job itself may
+    # start processes of its own (a DataLoader's workers), which a daemonic process may not.
+    multiprocessing.current_process().daemon = False
     try:
+        os.environ.update(env)  # before the function imports anything that reads it (CUDA)
+        if cwd is not None:
+            os.chdir(cwd)
         target = load_object(fn) if isinstance(fn, str) else fn
         result = target(path)
         conn.send(("ok", result))
@@ -126,11 +135,16 @@ def _wait(conn: Any, sentinel: int) -> None:
     multiprocessing.connection.wait([conn, sentinel])
 
 
-async def run_function(fn: Callable[[str], Any] | str, path: str) -> Any:
-    """Call `fn(path)` in a fresh spawned process; what it returned (picklable), or JobFailed."""
+async def run_function(
+    fn: Callable[[str], Any] | str, path: str, env: dict[str, str], cwd: str | None
+) -> Any:
+    """Call `fn(path)` in a fresh spawned process with `env` added, in `cwd`; what it returned
+    (picklable), or JobFailed."""
     ctx = multiprocessing.get_context("spawn")
     recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_call, args=(fn, path, send), name="eventbus-checkpoint-job")
+    proc = ctx.Process(
+        target=_call, args=(fn, path, env, cwd, send), name="eventbus-checkpoint-job"
+    )
     proc.daemon = True
     reply: tuple[str, Any] | None = None
     answered = False

@@ -136,8 +136,10 @@ class CheckpointJobs:
 
     async def _run(self, ev: CheckpointSaved) -> Any:
         path, step = ev.path, "" if ev.step is None else str(ev.step)
+        if self.cwd is not None:  # a relative path names a file from our directory, not cwd's
+            path = os.path.abspath(path)
         if self.fn is not None:
-            return await run_function(self.fn, path)
+            return await run_function(self.fn, path, self.env, self.cwd)
         assert self.command is not None
         fill = {"{path}": path, "{step}": step}.__getitem__  # one pass: a path's "{step}" stays
         argv = [_FIELDS.sub(lambda m: fill(m[0]), a) for a in self.command]

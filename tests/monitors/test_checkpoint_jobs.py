@@ -43,6 +43,28 @@ def start_a_worker_and_wait(path: str) -> dict[str, float]:
     return {}
 
 
+def start_a_multiprocessing_worker(path: str) -> dict[str, float]:
+    """A job function whose work uses multiprocessing, as a DataLoader with workers does."""
+    import multiprocessing
+
+    worker = multiprocessing.get_context("fork").Process(target=int)
+    worker.start()
+    worker.join()
+    return {"worker_exit": float(worker.exitcode or 0)}
+
+
+def where_it_runs(path: str) -> dict[str, float]:
+    """A job function that reports its environment and working directory."""
+    return {
+        "env": float(os.environ.get("EVAL_FLAG") == "on"),
+        "cwd": float(os.getcwd() == os.environ.get("WANT_CWD")),
+    }
+
+
+def path_is_a_file(path: str) -> dict[str, float]:
+    return {"found": float(os.path.isfile(path))}
+
+
 def _bus() -> EventBus:
     return EventBus(drain_interval=0.002, close_timeout=30)
 
@@ -349,3 +371,47 @@ def test_jobs_never_run_on_the_training_thread() -> None:
     with bus:
         bus.publish(CheckpointSaved(step=1, path="c"))
     assert seen and threading.get_ident() not in seen
+
+
+def test_a_function_job_may_start_processes_of_its_own() -> None:
+    """The job's process is not daemonic: a DataLoader's workers may start in it."""
+    jobs = CheckpointJobs(fn=start_a_multiprocessing_worker)
+    bus = _bus()
+    bus.subscribe(jobs)
+    with bus:
+        bus.publish(CheckpointSaved(step=1, path="ckpt-1"))
+    assert jobs.failures == []
+    assert [ev.metrics for ev in jobs.results] == [{"worker_exit": 0.0}]
+
+
+def test_env_and_cwd_reach_a_function_job(tmp_path: Path) -> None:
+    env = {"EVAL_FLAG": "on", "WANT_CWD": str(tmp_path)}
+    jobs = CheckpointJobs(fn=where_it_runs, env=env, cwd=tmp_path)
+    bus = _bus()
+    bus.subscribe(jobs)
+    with bus:
+        bus.publish(CheckpointSaved(step=1, path="ckpt-1"))
+    assert jobs.failures == []
+    assert [ev.metrics for ev in jobs.results] == [{"env": 1.0, "cwd": 1.0}]
+
+
+@pytest.mark.parametrize("kind", ["command", "fn"])
+def test_a_relative_path_names_the_same_file_in_a_job_with_its_own_cwd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    (tmp_path / "run").mkdir()
+    (tmp_path / "evals").mkdir()
+    (tmp_path / "run" / "ckpt-1.pt").write_text("weights")
+    monkeypatch.chdir(tmp_path)
+    if kind == "command":
+        body = (
+            "import json, os, sys; print(json.dumps({'found': float(os.path.isfile(sys.argv[1]))}))"
+        )
+        jobs = CheckpointJobs(command=_script(body), cwd="evals")
+    else:
+        jobs = CheckpointJobs(fn=path_is_a_file, cwd="evals")
+    bus = _bus()
+    bus.subscribe(jobs)
+    with bus:
+        bus.publish(CheckpointSaved(step=1, path=os.path.join("run", "ckpt-1.pt")))
+    assert [ev.metrics for ev in jobs.results] == [{"found": 1.0}]
