@@ -31,14 +31,15 @@ def explode(path: str) -> dict[str, float]:
 
 
 def start_a_worker_and_wait(path: str) -> dict[str, float]:
-    """A job function that starts a process of its own (writing its pid to `path`), then
-    runs on past any timeout."""
+    """A job function that starts a process of its own (its pid written to `path` as soon as
+    it exists, not once its interpreter is up), then runs on past any timeout."""
     import subprocess
     import sys
     import time
 
-    code = f"import os, time; open({path!r}, 'w').write(str(os.getpid())); time.sleep(60)"
-    subprocess.Popen([sys.executable, "-c", code])
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    with open(path, "w") as f:
+        f.write(str(worker.pid))
     time.sleep(60)
     return {}
 
@@ -200,25 +201,30 @@ def _gone(pid: int) -> bool:
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_a_timeout_kills_what_the_job_started_too(tmp_path: Path) -> None:
     pid_file = tmp_path / "pid"
-    child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    worker = "import time; time.sleep(60)"
     jobs = CheckpointJobs(  # a job that starts a worker of its own, as a shell or torchrun does
         command=_script(
-            f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); "
-            "time.sleep(60)"
+            "import subprocess, sys, time; "
+            f"w = subprocess.Popen([sys.executable, '-c', {worker!r}]); "
+            f"open({str(pid_file)!r}, 'w').write(str(w.pid)); time.sleep(60)"
         ),
-        timeout=3.0,  # both interpreters start well before
+        # The job's interpreter must start and fork before this; the worker's need not (its
+        # pid is written as soon as it exists). Loaded CI machines took more than 3 s.
+        timeout=8.0,
     )
     _run_one_that_times_out(jobs, "ckpt-1")
-    assert "timed out after 3 s and was killed" in jobs.failures[0]
+    assert "timed out after 8 s and was killed" in jobs.failures[0]
     _assert_killed(pid_file, "the job's own child")
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_a_timeout_kills_what_a_function_job_started_too(tmp_path: Path) -> None:
     pid_file = tmp_path / "pid"
-    jobs = CheckpointJobs(fn=start_a_worker_and_wait, timeout=4.0)  # both start well before
+    # The job's interpreter must start and import the function before this (seconds on a
+    # loaded machine); its worker's need not.
+    jobs = CheckpointJobs(fn=start_a_worker_and_wait, timeout=8.0)
     _run_one_that_times_out(jobs, str(pid_file))
-    assert "timed out after 4 s and was killed" in jobs.failures[0]
+    assert "timed out after 8 s and was killed" in jobs.failures[0]
     _assert_killed(pid_file, "the function's own child")
 
 
