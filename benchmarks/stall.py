@@ -137,7 +137,10 @@ def _run_eventbus(
     root: Path,
     totals: dict[str, int],
     drain_interval: float | None = None,
+    *,
+    publish_s: list[float] | None = None,
 ) -> list[float]:
+    """(b)'s steps (s); `publish_s` gets the time of each step's three publishes, in place."""
     from eventbus.events import Loss, OptimizerStepped, StepEnded
 
     t_made = time.perf_counter()
@@ -157,9 +160,12 @@ def _run_eventbus(
         for i in range(steps):
             t0 = pc()
             loss, gn = tr.step(i)
+            t1 = pc()
             publish(Loss(step=i, value=loss))  # tensors: captured without a sync
             publish(OptimizerStepped(step=i, lr=lr, grad_norm=gn))
             publish(StepEnded(step=i, duration_s=prev, samples=bs))
+            if publish_s is not None:
+                publish_s.append(pc() - t1)
             tr.end_step()
             prev = pc() - t0
             out.append(prev)
@@ -277,6 +283,7 @@ def _measure(
     tr = _Trainer(device)
     totals: dict[str, int] = {}
     totals20: dict[str, int] = {}
+    publish_s: list[float] = []
     with tempfile.TemporaryDirectory(prefix="eventbus-bench-stall-") as d:
         tmp = Path(d)
         counter = iter(range(1_000_000))
@@ -291,7 +298,9 @@ def _measure(
 
         variants: dict[str, Callable[[int], list[float]]] = {
             "none": lambda b: keep(_run_none(tr, steps)),
-            "eventbus": lambda b: keep(_run_eventbus(tr, steps, fresh(), totals)),
+            "eventbus": lambda b: keep(
+                _run_eventbus(tr, steps, fresh(), totals, publish_s=publish_s)
+            ),
             # 50+ ms a step: fewer steps per block keep the run short; its p50 is plain.
             "inline": lambda b: keep(_run_inline(tr, slow_steps, fresh(), sleep=True)),
             "inline_nosleep": lambda b: keep(_run_inline(tr, steps, fresh(), sleep=False)),
@@ -303,6 +312,7 @@ def _measure(
             fn(-1)
         totals.clear()
         totals20.clear()
+        publish_s.clear()
         per_block = interleave_blocks(variants, blocks=blocks)
     samples = {name: flatten(b) for name, b in per_block.items()}
     out: dict[str, Any] = {}
@@ -318,6 +328,9 @@ def _measure(
         out[f"stall.{name}_p50_inflation_blockwise"] = round(
             blockwise_inflation(per_block[name], per_block["none"]), 4
         )
+    # The three publishes of a (b) step, timed right after the step (the step's caches: what
+    # the median step pays for the bus, before any subscriber runs).
+    out["stall.eventbus_publish_us_in_place_p50"] = round(summarize(publish_s)["p50"] * 1e6, 1)
     out["stall.device"] = device
     out["stall.torch_threads"] = torch_threads()
     out["stall.steps_per_variant"] = len(samples["none"])

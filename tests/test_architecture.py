@@ -71,6 +71,7 @@ LAYERS: dict[str, str] = {
     "eventbus.core.worker": CORE,
     "eventbus.agreement": CORE,
     "eventbus.capture": CORE,
+    "eventbus._capture_intake": CORE,
     "eventbus._compiling": CORE,
     "eventbus._torch_ops": CORE,
     "eventbus._capture_pending": CORE,

@@ -113,6 +113,7 @@ def test_stall_tiny_run_loses_nothing_lossless(tmp_path: Path) -> None:
     # The inline variant sleeps 50 ms in every step; the bus variant must not.
     assert out["stall.inline_p50_ms"] >= 50
     assert out["stall.eventbus_jsonl_lost"] == 0
+    assert 0 < out["stall.eventbus_publish_us_in_place_p50"] < 1e6  # three publishes, timed
     assert out["stall.eventbus_others_failed"] == 0
     png = tmp_path / "steps.png"
     stall.plot(samples, png)

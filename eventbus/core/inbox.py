@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from eventbus.capture import capture_event
-from eventbus.core.sizing import checked_fields, sizeof_event
+from eventbus._capture_intake import INTAKE, intake_for
 from eventbus.core.worker import thread_state, worker_name
 from eventbus.events import Event
 from eventbus.log import RateLimiter, get_logger
@@ -192,10 +191,9 @@ class Inbox:
     def put_sized(self, ev: Event) -> None:
         """An event holding tensors, containers or long texts: sized (host metadata only),
         its tensors captured, and counted against `max_bytes` when big."""
-        nbytes = sizeof_event(ev, checked_fields(type(ev)))  # no device sync
-        # Tensors: detach + async copy into pinned memory (CUDA) or a clone (CPU).
-        # Never .item(): no device synchronisation.
-        captured = capture_event(ev)
+        # Sized from host metadata, tensors captured: detach + async copy into pinned memory
+        # (CUDA) or a clone (CPU). Never .item(): no device synchronisation.
+        nbytes, captured = (INTAKE.get(type(ev)) or intake_for(type(ev)))(ev)
         if nbytes >= BIG:
             self.put_boxed(Boxed(ev, nbytes, captured))
         else:  # small: counted by number only

@@ -21,6 +21,7 @@ __all__ = [
     "published_twice",
     "quick_check",
     "sizeof_event",
+    "sizeof_value",
 ]
 
 NUMBERS: frozenset[type] = frozenset((int, float, bool, type(None)))
@@ -69,6 +70,11 @@ def sizeof_event(ev: Event, names: tuple[str, ...]) -> int:
                 nb = None
             total += nb if type(nb) is int else 64
     return total
+
+
+def sizeof_value(v: Any) -> int:
+    """The estimated bytes of one field's value (as `sizeof_event` counts it)."""
+    return _sizeof(v, 0)
 
 
 def _sizeof(v: Any, depth: int) -> int:  # noqa: PLR0911 - one return per kind of value
