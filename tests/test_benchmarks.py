@@ -348,3 +348,14 @@ def test_monitor_cost_runs_what_it_times() -> None:
     out = monitor_cost.run(20)["results"]
     for key in ("profiler_step_us", "speed_update_us", "divergence_step_us"):
         assert out[key]["p50"] > 0, key
+
+
+def test_publish_in_place_times_both_paths_and_restores_the_intake() -> None:
+    from benchmarks import publish_in_place
+    from eventbus.core.inbox import Inbox
+
+    intake = Inbox.put_sized
+    out = publish_in_place.run(steps=20)
+    assert Inbox.put_sized is intake
+    for path in ("walk", "intake"):
+        assert 0 < out[f"publish_in_place.{path}_p50_us"] < 1e6
