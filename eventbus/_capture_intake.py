@@ -14,14 +14,7 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
-from eventbus.capture import (
-    _Capture,
-    _capture_value,
-    _NoTensor,
-    _tensor_type,
-    _too_deep,
-    capturable_fields,
-)
+from eventbus.capture import _Capture, _capture_field, _tensor_type, capturable_fields
 from eventbus.core.sizing import NUMBERS, checked_fields, sizeof_value
 from eventbus.events import Event
 
@@ -30,18 +23,6 @@ __all__ = ["INTAKE", "intake_for"]
 Intake = Callable[[Event], tuple[int, bool]]
 INTAKE: dict[type, Intake] = {}  # by class; the hot path reads it directly
 _BASE = 64  # an event object's own bytes, as sizeof_event counts them
-
-
-def _general(ev: Event, name: str, v: Any, cap: _Capture) -> bool:
-    """A container or another kind of value: walked as `capture_event` does."""
-    tensor = _tensor_type() or _NoTensor
-    v2, found = _capture_value(v, tensor, cap)
-    if cap.deep:  # delivered as it is below MAX_DEPTH; the JSONL writer skips the event
-        cap.deep = False
-        _too_deep(ev, name)
-    if v2 is not v:  # tensors captured, or a container copied
-        setattr(ev, name, v2)
-    return found
 
 
 def intake_for(cls: type[Event]) -> Intake:
@@ -91,7 +72,7 @@ def intake_for(cls: type[Event]) -> Intake:
         "NUMBERS": NUMBERS,
         "TENSOR": tensor,
         "Capture": _Capture,
-        "general": _general,
+        "general": _capture_field,
         "sizeof_value": sizeof_value,
     }
     exec(compile("\n".join(lines), f"<eventbus.intake {cls.__qualname__}>", "exec"), scope)

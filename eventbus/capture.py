@@ -211,28 +211,30 @@ def capture_event(ev: Event) -> bool:
     names = FIELDS.get(type(ev))
     if names is None:
         names = capturable_fields(type(ev))
-    tensor: type | None = None
     cap: _Capture | None = None
     found = False
     for name in names:
         v = getattr(ev, name)
         if type(v) in PLAIN:
             continue
-        if tensor is None:
-            tensor = _tensor_type()
-            if tensor is None:  # no torch: only already-captured values can need work
-                tensor = _NoTensor
         if cap is None:
             cap = _Capture()
-        v2, f = _capture_value(v, tensor, cap)
-        if cap.deep:  # delivered as it is below MAX_DEPTH; the JSONL writer skips the event
-            cap.deep = False
-            _too_deep(ev, name)
-        if v2 is not v:  # tensors captured, or a container copied
-            setattr(ev, name, v2)
-        found |= f
+        found = _capture_field(ev, name, v, cap) or found
     if cap is not None:
         cap.fence()
+    return found
+
+
+def _capture_field(ev: Event, name: str, v: Any, cap: _Capture) -> bool:
+    """Capture field `name` (holding `v`, not a plain value) in place; True if anything in
+    it needs resolving on the bus thread."""
+    # No torch imported: only already-captured values can need work.
+    v2, found = _capture_value(v, _tensor_type() or _NoTensor, cap)
+    if cap.deep:  # delivered as it is below MAX_DEPTH; the JSONL writer skips the event
+        cap.deep = False
+        _too_deep(ev, name)
+    if v2 is not v:  # tensors captured, or a container copied
+        setattr(ev, name, v2)
     return found
 
 

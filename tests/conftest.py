@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -46,3 +47,16 @@ def bus() -> Iterator[EventBus]:
 @pytest.fixture
 def recorder() -> Recorder:
     return Recorder()
+
+
+@dataclass(slots=True, kw_only=True)
+class Ratio(Event):
+    """A user event with a field its `__post_init__` computes (`init=False`): rebuilt from its
+    fields (the wire, a log, a compiled publish), `__init__` refuses a value for that one."""
+
+    num: Any = 0.0
+    den: float = 1.0
+    ratio: Any = field(init=False, default=0.0)
+
+    def __post_init__(self) -> None:
+        self.ratio = self.num / self.den

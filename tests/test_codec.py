@@ -23,6 +23,7 @@ from eventbus.events import (
     UnknownEvent,
 )
 from eventbus.logformat import FORMAT_VERSION, header
+from tests.conftest import Ratio
 
 
 def test_flat_line_format() -> None:
@@ -331,23 +332,11 @@ def test_valid_lines_of_every_kind_still_decode() -> None:
     assert all(isinstance(decode(line), Event) for line in ok)
 
 
-@dataclasses.dataclass(slots=True, kw_only=True)
-class _Ratio(Event):
-    """A user event with a field its `__post_init__` computes (`init=False`)."""
-
-    num: float = 0.0
-    den: float = 1.0
-    ratio: float = dataclasses.field(init=False, default=0.0)
-
-    def __post_init__(self) -> None:
-        self.ratio = self.num / self.den
-
-
 def test_an_event_with_a_field_its_post_init_computes_reads_back_as_its_class() -> None:
     """`__init__` refuses a value for an `init=False` field: the line read back as an
     `UnknownEvent`, so replay, `load` and the CLI lost the user's type."""
-    line = encode(_Ratio(step=3, num=3.0, den=4.0, seq=1))
+    line = encode(Ratio(step=3, num=3.0, den=4.0, seq=1))
     ev = decode(line)
-    assert type(ev) is _Ratio
+    assert type(ev) is Ratio
     assert (ev.num, ev.den, ev.ratio, ev.step, ev.seq) == (3.0, 4.0, 0.75, 3, 1)
     assert encode(ev) == line

@@ -6,7 +6,6 @@ Compiled models are tiny so the suite stays fast; most cases use the "aot_eager"
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 from collections import Counter
@@ -20,9 +19,9 @@ import torch._dynamo
 from torch import nn
 
 import eventbus.torch as et
-from eventbus import Event, EventBus
+from eventbus import EventBus
 from eventbus.events import Loss, Scalars, TensorLayout, TensorStats
-from tests.conftest import Recorder
+from tests.conftest import Ratio, Recorder
 from tests.test_torch import TinyGPT
 
 
@@ -237,27 +236,15 @@ def test_publish_inside_a_fullgraph_compiled_step_equals_eager() -> None:
     assert _graph_breaks() == 0
 
 
-@dataclasses.dataclass(slots=True, kw_only=True)
-class _Ratio(Event):
-    """A user event with a field its `__post_init__` computes (`init=False`)."""
-
-    num: Any = 0.0
-    den: float = 1.0
-    ratio: Any = dataclasses.field(init=False, default=0.0)
-
-    def __post_init__(self) -> None:
-        self.ratio = self.num / self.den
-
-
 def test_an_event_with_an_init_false_field_publishes_from_a_compiled_step() -> None:
     """The graph rebuilt the event as cls(**every field), which `__init__` refuses for an
     `init=False` one: the compiled step raised where eager code published."""
-    rec = Recorder(events=[_Ratio])
+    rec = Recorder(events=[Ratio])
     with EventBus(drain_interval=0.002, handle_signals=False) as bus:
         bus.subscribe(rec)
 
         def step(x: torch.Tensor, n: int) -> torch.Tensor:
-            bus.publish(_Ratio(step=n, num=x.sum(), den=4.0))
+            bus.publish(Ratio(step=n, num=x.sum(), den=4.0))
             return x * 2
 
         run = torch.compile(step, fullgraph=True, backend="aot_eager")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,7 @@ import pytest
 from eventbus import Event
 from eventbus.events import Loss, Scalars, UnknownEvent
 from eventbus.process import wire
+from tests.conftest import Ratio
 
 
 def test_pack_round_trip_keeps_types_and_unknowns() -> None:
@@ -78,18 +78,6 @@ def test_an_event_module_that_exits_on_import_only_makes_the_type_unknown(
     (ev,) = wire.unpack(data)  # SystemExit from the user's module must not end the child
     assert isinstance(ev, UnknownEvent)
     assert ev.type_name == "Gone"
-
-
-@dataclass(slots=True, kw_only=True)
-class Ratio(Event):
-    """A user event with a field its `__post_init__` computes (`init=False`)."""
-
-    num: float = 0.0
-    den: float = 1.0
-    ratio: float = field(init=False, default=0.0)
-
-    def __post_init__(self) -> None:
-        self.ratio = self.num / self.den
 
 
 def test_an_event_with_a_field_its_post_init_computes_round_trips() -> None:
