@@ -67,7 +67,7 @@ async def run_command(argv: Sequence[str], env: dict[str, str], cwd: str | None)
         # A session of its own: a timeout kills what the job started too (a shell's children,
         # torchrun's workers), not only the job; and a Ctrl-C at the terminal is ours to handle.
         process = await anyio.open_process(list(argv), env=env, cwd=cwd, start_new_session=True)
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in an argument or env
         raise JobFailed(f"cannot run {argv[0]!r}: {e}") from None
     try:
         async with anyio.create_task_group() as tg:
@@ -87,7 +87,8 @@ async def run_command(argv: Sequence[str], env: dict[str, str], cwd: str | None)
     if code != 0:
         tail = stderr.splitlines()[-5:] if stderr else []
         raise JobFailed(f"exited with {code}" + (": " + " | ".join(tail) if tail else ""))
-    lines = [ln for ln in (out[0] if out else b"").decode(errors="replace").splitlines() if ln]
+    text = (out[0] if out else b"").decode(errors="replace")
+    lines = [ln for ln in text.splitlines() if ln.strip()]  # blank ones: spaces, a \r
     if not lines:
         return None
     try:

@@ -421,3 +421,28 @@ def test_a_relative_path_names_the_same_file_in_a_job_with_its_own_cwd(
     with bus:
         bus.publish(CheckpointSaved(step=1, path=os.path.join("run", "ckpt-1.pt")))
     assert [ev.metrics for ev in jobs.results] == [{"found": 1.0}]
+
+
+def test_a_path_no_process_can_take_fails_its_job_only(tmp_path: Path) -> None:
+    """A NUL byte in the path (or env) made starting the process raise ValueError, which
+    escaped the job and cancelled the others handed over with it."""
+    bus, rec = _bus(), Recorder(events=[EvalEnded])
+    bus.subscribe(rec)
+    jobs = CheckpointJobs(command=_script("import json; print(json.dumps({'ok': 1}))"))
+    bus.subscribe(jobs)
+    with bus:
+        bus.publish(CheckpointSaved(step=1, path="bad\x00path"))
+        bus.publish(CheckpointSaved(step=2, path=str(tmp_path / "ckpt-2")))
+    assert [ev.step for ev in rec.got] == [2]
+    assert bus.stats()["checkpoint_jobs"].failed == 1
+    assert "cannot run" in jobs.failures[0] and "null byte" in jobs.failures[0]
+
+
+def test_a_blank_line_after_the_metrics_is_not_the_last_line() -> None:
+    bus, rec = _bus(), Recorder(events=[EvalEnded])
+    bus.subscribe(rec)
+    body = "import json; print(json.dumps({'eval_loss': 0.25})); print('   '); print('\\t\\r')"
+    bus.subscribe(CheckpointJobs(command=_script(body)))
+    with bus:
+        bus.publish(CheckpointSaved(step=3, path="ckpt-3"))
+    assert [ev.metrics for ev in rec.got] == [{"eval_loss": 0.25}]
