@@ -30,6 +30,7 @@ from typing import Any, Literal, TypedDict
 
 from eventbus._event_base import rebuild
 from eventbus.events import Event, UnknownEvent, event_type
+from eventbus.log import RateLimiter, get_logger
 
 __all__ = [
     "ADD",
@@ -202,16 +203,6 @@ def _maker(tname: str, module: str, names: tuple[str, ...]) -> Callable[[tuple[A
         with contextlib.suppress(BaseException):
             importlib.import_module(module)
         cls = event_type(tname)
-    if cls is not None and cls is not UnknownEvent:
-        known = {f.name for f in dataclasses.fields(cls)}
-        if known == set(names) and not hasattr(cls, "__post_init__"):
-            return _setter(cls, names)
-        if known.issuperset(names):
-
-            def make(values: tuple[Any, ...], cls: type[Event] = cls) -> Event:
-                return rebuild(cls, dict(zip(names, values, strict=True)))
-
-            return make
 
     def unknown(values: tuple[Any, ...]) -> Event:
         d = dict(zip(names, values, strict=True))
@@ -220,7 +211,37 @@ def _maker(tname: str, module: str, names: tuple[str, ...]) -> Callable[[tuple[A
         base = {k: d.pop(k, None) for k in _BASE}
         return UnknownEvent(type_name=tname, data=d, **base)
 
+    if cls is not None and cls is not UnknownEvent:
+        known = {f.name for f in dataclasses.fields(cls)}
+        if known == set(names) and not hasattr(cls, "__post_init__"):
+            return _setter(cls, names)
+        if known.issuperset(names):
+
+            def make(values: tuple[Any, ...], cls: type[Event] = cls) -> Event:
+                try:
+                    return rebuild(cls, dict(zip(names, values, strict=True)))
+                except Exception as e:  # its __post_init__ refuses it on this side
+                    _unbuilt(tname, e)
+                    return unknown(values)  # its fields kept, under its type's name
+
+            return make
     return unknown
+
+
+_unbuilt_limit = RateLimiter(10.0)
+
+
+def _unbuilt(tname: str, e: Exception) -> None:
+    """An event the other side built that this side's class refuses: said, rate-limited."""
+    ok, held = _unbuilt_limit.allow(tname)
+    if ok:
+        get_logger().warning(
+            "an event from the other side of the sidecar channel cannot be rebuilt here (its "
+            "__post_init__ raised); it goes on as an UnknownEvent with its fields",
+            event_type=tname,
+            error=f"{type(e).__name__}: {e}",
+            suppressed=held,
+        )
 
 
 def _setter(cls: type[Event], names: tuple[str, ...]) -> Callable[[tuple[Any, ...]], Event]:

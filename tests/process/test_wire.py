@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,34 @@ def test_opcodes_are_distinct_single_bytes_with_names() -> None:
     assert all(len(op) == 1 for op in ops)
     assert len(set(ops)) == len(ops)
     assert set(wire.OP_NAMES) == set(ops)
+
+
+_REFUSE = {"now": False}
+
+
+@dataclass(slots=True, kw_only=True)
+class Picky(Event):
+    """A user event whose `__post_init__` may refuse on the receiving side (its state)."""
+
+    x: float = 0.0
+
+    def __post_init__(self) -> None:
+        if _REFUSE["now"]:
+            raise ValueError("not here")
+
+
+def test_an_event_this_side_cannot_rebuild_goes_on_as_unknown_and_is_said(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Its __post_init__ raising ended the whole unpack: in the parent's reader that read as
+    a broken channel (the sidecar killed), in the sidecar the batch was lost."""
+    data = wire.pack([Loss(step=1, value=1.0, seq=1), Picky(step=1, x=2.5, seq=2)])
+    _REFUSE["now"] = True
+    try:
+        loss, picky = wire.unpack(data)
+    finally:
+        _REFUSE["now"] = False
+    assert loss == Loss(step=1, value=1.0, seq=1)
+    assert isinstance(picky, UnknownEvent) and picky.type_name == "Picky"
+    assert (picky.data, picky.step, picky.seq) == ({"x": 2.5}, 1, 2)
+    assert "cannot be rebuilt here" in caplog.text and "not here" in caplog.text
