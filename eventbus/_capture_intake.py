@@ -35,6 +35,8 @@ def intake_for(cls: type[Event]) -> Intake:
     tensor = _tensor_type()
     capturable = set(capturable_fields(cls))
     lines = ["def intake(ev):", f"    n = {_BASE}", "    cap = None", "    found = False"]
+    if tensor is None:  # torch not imported yet: once it is, made again (with a tensor branch)
+        lines[1:1] = ["    if tensor_type() is not None:", "        return remade(cls)(ev)"]
     for name in checked_fields(cls):
         lines += [
             f"    v = ev.{name}",
@@ -74,9 +76,16 @@ def intake_for(cls: type[Event]) -> Intake:
         "Capture": _Capture,
         "general": _capture_field,
         "sizeof_value": sizeof_value,
+        "tensor_type": _tensor_type,
+        "cls": cls,
+        "remade": _remade,
     }
     exec(compile("\n".join(lines), f"<eventbus.intake {cls.__qualname__}>", "exec"), scope)
-    fn = typing.cast(Intake, scope["intake"])
-    if tensor is not None:  # made before torch was imported: made again once it is
-        INTAKE[cls] = fn
+    fn = INTAKE[cls] = typing.cast(Intake, scope["intake"])
     return fn
+
+
+def _remade(cls: type[Event]) -> Intake:
+    """`cls`'s function made again (torch was imported since it was made)."""
+    INTAKE.pop(cls, None)
+    return intake_for(cls)
