@@ -15,14 +15,13 @@ from collections.abc import Callable
 from typing import Any
 
 from eventbus.capture import _Capture, _capture_field, _tensor_type, capturable_fields
-from eventbus.core.sizing import NUMBERS, checked_fields, sizeof_value
+from eventbus.core.sizing import _BASE, NUMBERS, checked_fields, sizeof_value
 from eventbus.events import Event
 
 __all__ = ["INTAKE", "intake_for"]
 
 Intake = Callable[[Event], tuple[int, bool]]
 INTAKE: dict[type, Intake] = {}  # by class; the hot path reads it directly
-_BASE = 64  # an event object's own bytes, as sizeof_event counts them
 
 
 def intake_for(cls: type[Event]) -> Intake:

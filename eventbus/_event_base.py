@@ -99,9 +99,10 @@ def rebuild(cls: type[Event], values: dict[str, Any]) -> Event:
     later = _LATER.get(cls)
     if later is None:
         later = _LATER[cls] = frozenset(f.name for f in dataclasses.fields(cls) if not f.init)
-    if not later.intersection(values):
+    given = later.intersection(values)
+    if not given:
         return cls(**values)
-    ev = cls(**{k: v for k, v in values.items() if k not in later})
-    for k in later.intersection(values):
+    ev = cls(**{k: v for k, v in values.items() if k not in given})
+    for k in given:
         object.__setattr__(ev, k, values[k])
     return ev
